@@ -1,0 +1,414 @@
+"""The replay buffer as Redis stream operations.
+
+Producers claim work from three pools of one task — aborted, expired (when
+asked), fresh prompts — through the consumer group "producers", and settle
+each claim with one script: complete (group appended to the groups stream),
+abort (back to the aborted pool), or drop (filtered). The trainer reads the
+groups stream through the consumer group "trainer" and commits (acks and
+deletes) a batch only after its optimizer step, or expires a group into the
+expired pool. Every settle is fenced: it writes only while the entry is
+still pending for the consumer that settles it.
+
+Acknowledged entries are deleted, so Redis holds what is in flight and no
+more; nothing here trims a stream.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from shared import codec
+from shared.errors import DecodeError, ReplayBufferError
+from shared.keys import GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, progress_field
+from shared.records import Group, Prompt, Sample, Status
+from shared.scripts import Scripts, flatten
+from shared.settings import Settings
+
+FEED_CHUNK = 500
+RECOVERED = "done"
+
+
+def default_consumer_name(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(slots=True)
+class Entry:
+    """One stream entry as read through a consumer group."""
+
+    stream: str
+    kind: str
+    task: str
+    id: str
+    fields: codec.RawFields
+    deliveries: int = 1
+
+
+@dataclass(slots=True)
+class Claim:
+    """A pool entry a producer holds until it settles it."""
+
+    entry: Entry
+    prompt: Prompt
+    previous: Group | None = None  # the aborted / expired group, with any kept samples
+
+    @property
+    def task(self) -> str:
+        return self.entry.task
+
+    @property
+    def group_id(self) -> str:
+        return self.previous.group_id if self.previous is not None else self.prompt.group_id
+
+    @property
+    def source(self) -> str:
+        return self.entry.kind
+
+    @property
+    def partial(self) -> list[Sample]:
+        return [] if self.previous is None else self.previous.samples
+
+
+@dataclass(slots=True)
+class BatchItem:
+    entry: Entry
+    group: Group
+
+
+@dataclass(slots=True)
+class Batch:
+    """Groups read by the trainer; they stay pending until committed."""
+
+    task: str
+    items: list[BatchItem] = field(default_factory=list)
+
+    @property
+    def groups(self) -> list[Group]:
+        return [item.group for item in self.items]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(slots=True)
+class FeedResult:
+    added: int
+    existing: int
+
+
+class ReplayBuffer:
+    """Stream operations of one run, for one consumer name.
+
+    A producer process uses one name per process (a dead one's claims are
+    reclaimed by the others); a trainer uses a stable name, so that after a
+    restart it re-reads its own pending groups first.
+    """
+
+    def __init__(self, client: redis.Redis, settings: Settings, consumer: str | None = None) -> None:
+        self.client = client
+        self.settings = settings
+        self.keys = Keys(settings.run)
+        self.consumer = consumer or default_consumer_name("worker")
+        self.scripts = Scripts(client)
+        self._ensured: set[str] = set()
+        self._recover_from: dict[str, str] = {}  # task -> last own pending id re-read
+        self._last_reclaim: dict[str, float] = {}
+
+    # --- streams and groups ----------------------------------------------------------
+
+    def ensure(self, task: str) -> None:
+        """Create the task's streams and consumer groups (id 0: earlier entries count)."""
+        if task in self._ensured:
+            return
+        for kind, group in GROUP_OF_KIND.items():
+            try:
+                self.client.xgroup_create(self.keys.stream(kind, task), group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._ensured.add(task)
+
+    def _progress(self, task: str, counter: str) -> str:
+        return progress_field(task, counter)
+
+    # --- feeding ---------------------------------------------------------------------
+
+    def feed(self, prompts: Iterable[Prompt]) -> FeedResult:
+        """Append prompts to their tasks' streams; a uid already fed is not stored again."""
+        added = existing = 0
+        by_task: dict[str, list[Prompt]] = {}
+        for prompt in prompts:
+            by_task.setdefault(prompt.task, []).append(prompt)
+        for task, items in by_task.items():
+            self.ensure(task)
+            for start in range(0, len(items), FEED_CHUNK):
+                chunk = items[start : start + FEED_CHUNK]
+                args: list[Any] = [self._progress(task, "fed")]
+                for p in chunk:
+                    fields = codec.encode_prompt(p)
+                    args += [fields["uid"], fields["task"], fields["data"]]
+                keys = [self.keys.prompts(task), self.keys.fed(task), self.keys.progress]
+                n = int(self.scripts.feed(keys=keys, args=args))
+                added += n
+                existing += len(chunk) - n
+        return FeedResult(added, existing)
+
+    # --- producer side ---------------------------------------------------------------
+
+    def claim(
+        self, task: str, count: int = 1, *, include_expired: bool = False, block_ms: int = 0
+    ) -> list[Claim]:
+        """Claim up to ``count`` work items: idle claims of dead producers, then the
+        aborted pool, the expired pool (only with ``include_expired``), fresh prompts.
+
+        With ``block_ms`` it waits that long for work when every pool is empty.
+        """
+        self.ensure(task)
+        kinds = [k for k in POOLS if include_expired or k != "expired"]
+        claims: list[Claim] = []
+        for kind in kinds:
+            if len(claims) < count:
+                claims += self._claims(self.reclaim(kind, task, count - len(claims)))
+        for kind in kinds:
+            if len(claims) < count:
+                claims += self._claims(self._read(PRODUCERS, [kind], task, count - len(claims)))
+        if not claims and block_ms > 0:
+            # Wake on whichever pool gets work first, take one, then fill up in pool order.
+            claims = self._claims(self._read(PRODUCERS, kinds, task, 1, block_ms=block_ms))
+            if claims:
+                claims += self.claim(task, count - 1, include_expired=include_expired)
+        return claims
+
+    def _claims(self, entries: list[Entry]) -> list[Claim]:
+        out = []
+        for entry in entries:
+            try:
+                if codec.is_group_entry(entry.fields):
+                    previous = codec.decode_group(entry.fields)
+                    out.append(Claim(entry, previous.prompt, previous))
+                else:
+                    out.append(Claim(entry, codec.decode_prompt(entry.fields)))
+            except DecodeError as exc:
+                self.dead_letter(entry, str(exc))
+        return out
+
+    def complete(self, claim: Claim, group: Group) -> str | None:
+        """Append the group and ack + delete the claimed entry, atomically.
+
+        Returns the group's entry id, or None when the claim was no longer
+        this producer's (reclaimed by another): then nothing was written.
+        """
+        status = group.status or Status.COMPLETED
+        if status is not Status.COMPLETED:
+            raise ReplayBufferError(f"only a completed group enters the buffer, not {status.value}")
+        fields = codec.encode_group(group)
+        return self._settle(claim.entry, self.keys.groups(claim.task), fields, "completed")
+
+    def abort(self, claim: Claim, partial: Sequence[Sample] = (), *, model_step: int = -1) -> str | None:
+        """Send a claim back to the aborted pool, with any partial samples to continue."""
+        group = Group.for_prompt(
+            claim.prompt,
+            samples=list(partial),
+            model_step=model_step,
+            status=Status.ABORTED,
+            attempt=claim.previous.attempt if claim.previous else 1,
+            producer=self.consumer,
+        )
+        fields = codec.encode_group(group)
+        return self._settle(claim.entry, self.keys.aborted(claim.task), fields, "aborted")
+
+    def drop(self, claim: Claim, status: Status = Status.FILTERED) -> bool:
+        """Ack + delete a claim without writing a group (filtered), counting it by status."""
+        return self._settle(claim.entry, None, None, status.value) is not None
+
+    # --- trainer side ----------------------------------------------------------------
+
+    def read_batch(self, task: str, count: int, *, block_ms: int = 0) -> Batch:
+        """Read up to ``count`` groups: this consumer's own pending ones first (after a
+        restart), then groups idle in a dead trainer consumer, then new ones."""
+        self.ensure(task)
+        entries: list[Entry] = []
+        if self._recover_from.get(task) != RECOVERED:
+            entries += self._own_pending(task, count)
+        if len(entries) < count:
+            entries += self.reclaim("groups", task, count - len(entries))
+        if len(entries) < count:
+            entries += self._read(TRAINER, ["groups"], task, count - len(entries), block_ms=block_ms)
+        batch = Batch(task)
+        for entry in entries:
+            try:
+                batch.items.append(BatchItem(entry, codec.decode_group(entry.fields)))
+            except DecodeError as exc:
+                self.dead_letter(entry, str(exc))
+        return batch
+
+    def commit(self, batch: Batch) -> list[str]:
+        """Ack + delete the batch's groups after the train step; returns the ids that
+        were no longer this trainer's (reclaimed by another consumer)."""
+        if not batch.items:
+            return []
+        ids = [item.entry.id for item in batch.items]
+        keys = [self.keys.groups(batch.task), self.keys.progress]
+        args = [TRAINER, self.consumer, self._progress(batch.task, "consumed"), *ids]
+        foreign = self.scripts.commit(keys=keys, args=args)
+        return [i.decode() if isinstance(i, bytes) else str(i) for i in foreign]
+
+    def expire(self, item: BatchItem, keep: Sequence[Sample] = ()) -> str | None:
+        """Move a too-stale group to the expired pool as its prompt (plus ``keep``), and
+        ack + delete it, atomically. None when it was no longer this trainer's."""
+        group = item.group
+        entry = Group(
+            group_id=group.group_id,
+            task=group.task,
+            prompt=group.prompt,
+            samples=list(keep),
+            model_step=group.model_step,
+            status=Status.EXPIRED,
+            attempt=group.attempt,
+            producer=group.producer,
+            created_at=group.created_at,
+        )
+        fields = codec.encode_group(entry)
+        return self._settle(item.entry, self.keys.expired(group.task), fields, "expired")
+
+    def discard(self, item: BatchItem, status: Status = Status.EXPIRED) -> bool:
+        """Ack + delete a group without re-queueing it (expired groups when tail batch is -1)."""
+        return self._settle(item.entry, None, None, f"{status.value}_dropped") is not None
+
+    # --- both sides ------------------------------------------------------------------
+
+    def reclaim(self, kind: str, task: str, count: int, *, force: bool = False) -> list[Entry]:
+        """Take over entries idle longer than claim_idle_ms in the kind's consumer group.
+
+        Entries delivered more than max_attempts times go to the dead letters
+        instead. Without ``force`` a stream is scanned at most twice per
+        claim_idle_ms: nothing can become reclaimable faster than that.
+        """
+        stream = self.keys.stream(kind, task)
+        idle_ms = self.settings.buffer.claim_idle_ms
+        now = time.monotonic()
+        if not force and now - self._last_reclaim.get(stream, -1e18) < idle_ms / 2000:
+            return []
+        self._last_reclaim[stream] = now
+        out: list[Entry] = []
+        start = "0-0"
+        while len(out) < count:
+            keys = [stream, self.keys.dead, self.keys.progress]
+            args = [
+                GROUP_OF_KIND[kind], self.consumer, idle_ms, start, count - len(out),
+                self.settings.buffer.max_attempts, self._progress(task, "dead"),
+            ]  # fmt: skip
+            cursor, claimed = self.scripts.reclaim(keys=keys, args=args)
+            for entry_id, flat, deliveries in claimed:
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                out.append(Entry(stream, kind, task, entry_id.decode(), fields, int(deliveries)))
+            start = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+            if start == "0-0":
+                break
+        return out
+
+    def dead_letter(self, entry: Entry, reason: str) -> bool:
+        """Move an entry to the dead-letter stream with the reason, its fields and the
+        number of deliveries, and ack + delete it. The next entries keep flowing."""
+        fields: dict[str, Any] = {
+            "reason": reason,
+            "attempts": entry.deliveries,
+            "source": entry.stream,
+            "source_id": entry.id,
+        }
+        for name, value in entry.fields.items():
+            key = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+            fields[f"orig.{key}" if key in fields else key] = value
+        return self._settle(entry, self.keys.dead, fields, "dead") is not None
+
+    # --- mechanics -------------------------------------------------------------------
+
+    def _settle(
+        self, entry: Entry, dest: str | None, fields: dict[str, Any] | None, counter: str
+    ) -> str | None:
+        args = flatten(fields) if fields else []
+        result = self.scripts.settle(
+            keys=[entry.stream, dest or entry.stream, self.keys.progress],
+            args=[
+                GROUP_OF_KIND[entry.kind], self.consumer, entry.id,
+                self._progress(entry.task, counter), len(args), *args,
+            ],
+        )  # fmt: skip
+        if result is None:
+            return None
+        return result.decode() if isinstance(result, bytes) else str(result)
+
+    def _read(
+        self, group: str, kinds: list[str], task: str, count: int, *, block_ms: int = 0
+    ) -> list[Entry]:
+        streams = {self.keys.stream(kind, task): ">" for kind in kinds}
+        reply = self._xreadgroup(group, streams, count, block_ms or None)
+        return self._entries(reply, task)
+
+    def _own_pending(self, task: str, count: int) -> list[Entry]:
+        stream = self.keys.groups(task)
+        start = self._recover_from.get(task, "0")
+        reply = self._xreadgroup(TRAINER, {stream: start}, count, None)
+        read = self._entries(reply, task, deliveries=0)
+        self._recover_from[task] = read[-1].id if len(read) == count else RECOVERED
+        entries = []
+        for entry in read:
+            if entry.fields:
+                entries.append(entry)
+            else:  # deleted while pending: nothing left to train on, but say so
+                self.dead_letter(entry, "deleted while pending")
+        if entries:
+            # History reads count as deliveries; a group that keeps crashing the trainer
+            # is dead-lettered like any other entry delivered too often.
+            pending = self.client.xpending_range(
+                stream, TRAINER, min=entries[0].id, max=entries[-1].id, count=len(entries),
+                consumername=self.consumer,
+            )  # fmt: skip
+            counts = {p["message_id"].decode(): int(p["times_delivered"]) for p in pending}
+            max_attempts = self.settings.buffer.max_attempts
+            kept = []
+            for entry in entries:
+                entry.deliveries = counts.get(entry.id, 1)
+                if entry.deliveries > max_attempts:
+                    self.dead_letter(
+                        entry,
+                        f"delivered {entry.deliveries} times, more than max_attempts {max_attempts}",
+                    )
+                else:
+                    kept.append(entry)
+            entries = kept
+        return entries
+
+    def _xreadgroup(
+        self, group: str, streams: dict[str, str], count: int, block_ms: int | None
+    ) -> Any:
+        try:
+            return self.client.xreadgroup(group, self.consumer, streams, count=count, block=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The streams were deleted under us (FLUSHALL, DEL): create them again once.
+            self._ensured.clear()
+            for stream in streams:
+                parsed = self.keys.parse_stream(stream)
+                if parsed:
+                    self.ensure(parsed[1])
+            return self.client.xreadgroup(group, self.consumer, streams, count=count, block=block_ms)
+
+    def _entries(self, reply: Any, task: str, deliveries: int = 1) -> list[Entry]:
+        out = []
+        for stream_name, items in reply or []:
+            stream = stream_name.decode() if isinstance(stream_name, bytes) else stream_name
+            parsed = self.keys.parse_stream(stream)
+            kind = parsed[0] if parsed else "prompts"
+            for entry_id, fields in items:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append(Entry(stream, kind, task, eid, fields or {}, deliveries))
+        return out

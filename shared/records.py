@@ -1,0 +1,165 @@
+"""The records both sides agree on: Prompt, Sample, Group and their Status.
+
+Token ids and logprobs are numpy arrays (int32 / float32): the codec moves
+them as packed bytes and decodes them without copying, and a trainer turns
+them into tensors without copying either (``torch.from_numpy``). Records
+accept plain lists too and convert them once, on construction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+IdArray: TypeAlias = npt.NDArray[np.int32]
+FloatArray: TypeAlias = npt.NDArray[np.float32]
+PromptText: TypeAlias = str | list[dict[str, Any]]
+
+ID_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+
+class Status(StrEnum):
+    COMPLETED = "completed"  # finished and judged -> groups stream
+    ABORTED = "aborted"  # interrupted by a weight sync or pause -> aborted pool
+    EXPIRED = "expired"  # too stale to train on -> expired pool
+    FILTERED = "filtered"  # completed but rejected by is_valid -> counted, dropped
+    FAILED = "failed"  # engine or judge error after retries -> dead letters
+
+
+# A group that is not all COMPLETED takes the first of these that any sample has.
+STATUS_PRECEDENCE = (Status.FAILED, Status.ABORTED, Status.EXPIRED, Status.FILTERED)
+
+
+def group_status(statuses: Iterable[Status]) -> Status:
+    present = set(statuses)
+    if not present or present == {Status.COMPLETED}:
+        return Status.COMPLETED
+    for status in STATUS_PRECEDENCE:
+        if status in present:
+            return status
+    raise AssertionError(f"unreachable: {present}")  # pragma: no cover
+
+
+def as_ids(values: Sequence[int] | npt.ArrayLike) -> IdArray:
+    return np.asarray(values, dtype=ID_DTYPE)
+
+
+def as_logprobs(values: Sequence[float] | npt.ArrayLike) -> FloatArray:
+    return np.asarray(values, dtype=LOGPROB_DTYPE)
+
+
+@dataclass(slots=True)
+class Prompt:
+    uid: str
+    task: str
+    prompt: PromptText
+    prompt_ids: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group_id(self) -> str:
+        """The id every attempt at this prompt's group carries."""
+        return f"{self.task}:{self.uid}"
+
+
+@dataclass(slots=True, eq=False)
+class Sample:
+    """One response. ``response_versions[i]`` is the model step that produced token i."""
+
+    prompt_ids: IdArray
+    response_ids: IdArray
+    logprobs: FloatArray
+    response_versions: IdArray
+    finish_reason: str | None = None
+    reward: dict[str, Any] = field(default_factory=dict)
+    status: Status = Status.COMPLETED
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = as_ids(self.prompt_ids)
+        self.response_ids = as_ids(self.response_ids)
+        self.logprobs = as_logprobs(self.logprobs)
+        self.response_versions = as_ids(self.response_versions)
+        self.status = Status(self.status)
+        n = len(self.response_ids)
+        if len(self.response_versions) != n:
+            raise ValueError(
+                f"response_versions has {len(self.response_versions)} entries for {n} tokens"
+            )
+        if len(self.logprobs) not in (0, n):
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries for {n} tokens")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sample):
+            return NotImplemented
+        return (
+            np.array_equal(self.prompt_ids, other.prompt_ids)
+            and np.array_equal(self.response_ids, other.response_ids)
+            # bit-for-bit, so that NaN logprobs compare equal to themselves
+            and self.logprobs.tobytes() == other.logprobs.tobytes()
+            and np.array_equal(self.response_versions, other.response_versions)
+            and (self.finish_reason, self.reward, self.status, self.text)
+            == (other.finish_reason, other.reward, other.status, other.text)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable record
+
+    @property
+    def score(self) -> float | None:
+        score = self.reward.get("score")
+        return None if score is None else float(score)
+
+
+@dataclass(slots=True)
+class Group:
+    """The n responses to one prompt, as one unit of the replay buffer.
+
+    ``model_step`` is the oldest policy version in the group: the minimum of
+    all response token versions. A group with no response token yet keeps
+    the step it was given (-1 when none).
+    """
+
+    group_id: str
+    task: str
+    prompt: Prompt
+    samples: list[Sample] = field(default_factory=list)
+    model_step: int = -1
+    status: Status | None = None
+    attempt: int = 1
+    producer: str = ""
+    created_at: float = field(default_factory=time.time)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        steps = [int(s.response_versions.min()) for s in self.samples if len(s.response_versions)]
+        if steps:
+            self.model_step = min(steps)
+        self.status = group_status(s.status for s in self.samples) if self.status is None else Status(self.status)
+
+    @classmethod
+    def for_prompt(cls, prompt: Prompt, **kwargs: Any) -> Group:
+        return cls(group_id=prompt.group_id, task=prompt.task, prompt=prompt, **kwargs)
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(s.prompt_ids) for s in self.samples)
+
+    @property
+    def reward_mean(self) -> float | None:
+        scores = [s.score for s in self.samples if s.score is not None]
+        return sum(scores) / len(scores) if scores else None

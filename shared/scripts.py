@@ -1,0 +1,199 @@
+"""The Lua scripts that make buffer operations atomic.
+
+Redis runs a script alone, but does not roll back one that fails half-way,
+so each script checks everything before its first write. Above all a script
+that settles a claimed entry first checks that the entry is still pending for
+*this* consumer: a slow producer whose prompt was reclaimed (and perhaps
+completed) by another one meanwhile writes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+# Fields a dead letter sets itself; an original field of the same name is kept as "orig.NAME".
+DEAD_HEADER = ("reason", "attempts", "source", "source_id")
+
+_DEAD_LETTER_FN = """
+local function dead_letter(dead, source, id, reason, attempts, fields)
+  local args = {'reason', reason, 'attempts', attempts, 'source', source, 'source_id', id}
+  if fields then
+    for i = 1, #fields, 2 do
+      local name = fields[i]
+      if name == 'reason' or name == 'attempts' or name == 'source' or name == 'source_id' then
+        name = 'orig.' .. name
+      end
+      args[#args + 1] = name
+      args[#args + 1] = fields[i + 1]
+    end
+  end
+  return redis.call('XADD', dead, '*', unpack(args))
+end
+"""
+
+_CHECK_COUNTER_FN = """
+local function check_counter(hash, field)
+  if field == '' then return end
+  local v = redis.call('HGET', hash, field)
+  if v and not tonumber(v) then
+    error('progress field ' .. field .. ' is not a number: ' .. v)
+  end
+end
+"""
+
+# KEYS: source stream, destination stream, progress hash
+# ARGV: group, consumer, entry id, progress field ('' = none), n (field/value args), fields...
+# Returns the destination entry id, 'OK' when there is no destination, nil when fenced.
+SETTLE = (
+    _CHECK_COUNTER_FN
+    + """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #pending == 0 then return false end
+check_counter(KEYS[3], ARGV[4])
+local out = 'OK'
+if tonumber(ARGV[5]) > 0 then
+  out = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[4], 1) end
+return out
+"""
+)
+
+# KEYS: stream, progress hash
+# ARGV: group, consumer, progress field ('' = none), ids...
+# Acks and deletes the ids still pending for this consumer; returns the ids it did not own.
+COMMIT = (
+    _CHECK_COUNTER_FN
+    + """
+local owned, foreign = {}, {}
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 0 then foreign[#foreign + 1] = ARGV[i] else owned[#owned + 1] = ARGV[i] end
+end
+check_counter(KEYS[2], ARGV[3])
+if #owned > 0 then
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
+  redis.call('XDEL', KEYS[1], unpack(owned))
+  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], #owned) end
+end
+return foreign
+"""
+)
+
+# KEYS: stream, dead stream, progress hash
+# ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field
+# Claims entries idle longer than min idle; those delivered more than max attempts times, and those deleted
+# while pending, become dead letters. Returns {next start id, {{id, fields, deliveries}...}}.
+RECLAIM = (
+    _DEAD_LETTER_FN
+    + _CHECK_COUNTER_FN
+    + """
+check_counter(KEYS[3], ARGV[7])
+-- JUSTID finds and takes the idle entries (with the cursor to page on); XCLAIM then
+-- counts the delivery and returns the fields, or nothing for an entry deleted while
+-- pending, which Redis 6.2 would otherwise hand out again and again as a nil entry.
+local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
+local max_attempts = tonumber(ARGV[6])
+local out, dead = {}, 0
+for _, id in ipairs(r[2]) do
+  local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id)
+  local entry = claimed[1]
+  if not entry or not entry[2] then
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+    dead_letter(KEYS[2], KEYS[1], id, 'deleted while pending', 0, nil)
+    dead = dead + 1
+  else
+    local fields = entry[2]
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+    local deliveries = p[1][4]
+    if deliveries > max_attempts then
+      dead_letter(KEYS[2], KEYS[1], id, 'delivered ' .. deliveries .. ' times, more than max_attempts ' .. max_attempts, deliveries, fields)
+      redis.call('XACK', KEYS[1], ARGV[1], id)
+      redis.call('XDEL', KEYS[1], id)
+      dead = dead + 1
+    else
+      out[#out + 1] = {id, fields, deliveries}
+    end
+  end
+end
+-- Redis >= 7 has already dropped entries deleted while pending, and lists them here
+if r[3] then
+  for _, id in ipairs(r[3]) do
+    dead_letter(KEYS[2], KEYS[1], id, 'deleted while pending', 0, nil)
+    dead = dead + 1
+  end
+end
+if dead > 0 and ARGV[7] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[7], dead) end
+return {r[1], out}
+"""
+)
+
+# KEYS: prompts stream, fed-uid set, progress hash
+# ARGV: progress field, then (uid, task, data) triples. Idempotent by uid.
+FEED = (
+    _CHECK_COUNTER_FN
+    + """
+if redis.call('TYPE', KEYS[1]).ok ~= 'stream' and redis.call('EXISTS', KEYS[1]) == 1 then
+  error(KEYS[1] .. ' is not a stream')
+end
+check_counter(KEYS[3], ARGV[1])
+local added = 0
+for i = 2, #ARGV, 3 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    redis.call('XADD', KEYS[1], '*', 'uid', ARGV[i], 'task', ARGV[i + 1], 'data', ARGV[i + 2])
+    added = added + 1
+  end
+end
+if added > 0 then redis.call('HINCRBY', KEYS[3], ARGV[1], added) end
+return added
+"""
+)
+
+# KEYS: prompts stream, state hash, progress hash
+# ARGV: cursor field, expected cursor ('' = none yet), new cursor, progress field,
+#       then (uid, task, data) triples. Fails without writing when the cursor moved.
+FEED_AT_CURSOR = (
+    _CHECK_COUNTER_FN
+    + """
+local current = redis.call('HGET', KEYS[2], ARGV[1]) or ''
+if current ~= ARGV[2] then
+  return redis.error_reply('CURSOR ' .. current)
+end
+if redis.call('TYPE', KEYS[1]).ok ~= 'stream' and redis.call('EXISTS', KEYS[1]) == 1 then
+  error(KEYS[1] .. ' is not a stream')
+end
+check_counter(KEYS[3], ARGV[4])
+local added = 0
+for i = 5, #ARGV, 3 do
+  redis.call('XADD', KEYS[1], '*', 'uid', ARGV[i], 'task', ARGV[i + 1], 'data', ARGV[i + 2])
+  added = added + 1
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+if added > 0 then redis.call('HINCRBY', KEYS[3], ARGV[4], added) end
+return added
+"""
+)
+
+
+class Scripts:
+    """The scripts registered on one client (EVALSHA, reloaded after a server restart)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.settle: Script = client.register_script(SETTLE)
+        self.commit: Script = client.register_script(COMMIT)
+        self.reclaim: Script = client.register_script(RECLAIM)
+        self.feed: Script = client.register_script(FEED)
+        self.feed_at_cursor: Script = client.register_script(FEED_AT_CURSOR)
+
+
+def flatten(fields: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for name, value in fields.items():
+        out.append(name)
+        out.append(value)
+    return out

@@ -1,0 +1,166 @@
+"""The one settings tree of rollstream.
+
+Sources, highest priority first: keyword arguments, environment variables
+(``ROLLSTREAM_`` prefix, ``__`` between levels: ``ROLLSTREAM_REDIS__URL``),
+then ``rollstream.toml`` in the working directory (or the file that
+``ROLLSTREAM_CONFIG`` names), then the defaults below.
+
+An invalid value fails in :func:`load_settings` with a :class:`SettingsError`
+that names the setting, both as a dotted path and as its environment
+variable, and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from shared.errors import SettingsError
+
+ENV_PREFIX = "ROLLSTREAM_"
+CONFIG_ENV = "ROLLSTREAM_CONFIG"
+DEFAULT_CONFIG_FILE = "rollstream.toml"
+
+# Names end up inside Redis keys and SCAN patterns: no braces, colons or glob characters.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by ``***`` (user names are kept)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+
+
+class RedisSettings(BaseModel):
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
+    )
+    socket_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"scheme must be one of {', '.join(REDIS_SCHEMES)}, got {parts.scheme or 'none'!r}"
+            )
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("a host is required, as in redis://host:6379/0")
+        try:
+            parts.port  # noqa: B018 - urlsplit parses the port lazily and raises here
+        except ValueError as exc:
+            raise ValueError(f"invalid port: {exc}") from None
+        return value
+
+
+class TaskSettings(BaseModel):
+    name: str = Field(pattern=NAME_PATTERN, description="letters, digits, '_', '.', '-'")
+    weight: float = Field(default=1.0, gt=0, description="share of each batch")
+    n: int = Field(default=8, ge=1, le=4096, description="responses per prompt (group size)")
+
+
+class BufferSettings(BaseModel):
+    claim_idle_ms: int = Field(default=60_000, ge=1, description="idle time before reclaim")
+    max_attempts: int = Field(default=3, ge=1, le=1000, description="deliveries before dead-letter")
+    read_count: int = Field(default=64, ge=1, le=10_000, description="entries per XREADGROUP")
+    block_ms: int = Field(default=1_000, ge=0, description="longest wait of one blocking read")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    run: str = Field(default="default", pattern=NAME_PATTERN, description="run name")
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    tasks: list[TaskSettings] = Field(default_factory=lambda: [TaskSettings(name="default")])
+    buffer: BufferSettings = Field(default_factory=BufferSettings)
+
+    @model_validator(mode="after")
+    def _unique_tasks(self) -> Settings:
+        names = [t.name for t in self.tasks]
+        if not names:
+            raise ValueError("tasks: at least one task is required")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tasks: names must be unique, repeated: {', '.join(dupes)}")
+        return self
+
+    def task(self, name: str) -> TaskSettings:
+        for task in self.tasks:
+            if task.name == name:
+                return task
+        known = ", ".join(t.name for t in self.tasks)
+        raise SettingsError(f"unknown task {name!r}; the settings define: {known}")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_path = Path(os.environ.get(CONFIG_ENV, DEFAULT_CONFIG_FILE))
+        return (
+            init_settings,
+            env_settings,
+            TomlConfigSettingsSource(settings_cls, toml_file=toml_path),
+        )
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = [str(p) for p in error["loc"]]
+    dotted = ".".join(loc) or "settings"
+    env = ENV_PREFIX + "__".join(p.upper() for p in loc if not p.isdigit())
+    value = error.get("input")
+    shown = "" if isinstance(value, dict) else f", got {value!r}"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"invalid setting {dotted} ({env}): {message}{shown}"
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build the settings, or raise SettingsError naming every invalid field."""
+    config = os.environ.get(CONFIG_ENV)
+    if config and not Path(config).is_file():
+        raise SettingsError(f"{CONFIG_ENV} names {config!r}, which is not a file")
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        raise SettingsError("\n".join(_describe(e) for e in exc.errors())) from None  # type: ignore[arg-type]
+    return settings
+
+
+def validate_name(value: str, what: str) -> str:
+    """Check a name that ends up inside a key (task, batch id) at the point of use."""
+    if not _NAME_RE.match(value):
+        raise SettingsError(
+            f"invalid {what} {value!r}: use 1-64 of letters, digits, '_', '.', '-' "
+            "(starting with a letter or digit)"
+        )
+    return value
