@@ -25,8 +25,8 @@ from typing import Any
 import redis
 
 from shared import codec
-from shared.errors import DecodeError, ReplayBufferError
-from shared.keys import GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, progress_field
+from shared.errors import DecodeError, FeederError, ReplayBufferError
+from shared.keys import GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, feeder_field, progress_field
 from shared.records import Group, Prompt, Sample, Status
 from shared.scripts import Scripts, flatten
 from shared.settings import Settings
@@ -159,6 +159,39 @@ class ReplayBuffer:
                 added += n
                 existing += len(chunk) - n
         return FeedResult(added, existing)
+
+    def feed_at_cursor(self, task: str, prompts: Sequence[Prompt], expected: str, new: str) -> int:
+        """Append prompts and move the task's feeder cursor from ``expected`` to ``new``
+        in one step; FeederError, with nothing written, when the cursor is elsewhere."""
+        self.ensure(task)
+        args: list[Any] = [feeder_field(task, "cursor"), expected, new, self._progress(task, "fed")]
+        for p in prompts:
+            fields = codec.encode_prompt(p)
+            args += [fields["uid"], fields["task"], fields["data"]]
+        keys = [self.keys.prompts(task), self.keys.state, self.keys.progress]
+        try:
+            return int(self.scripts.feed_at_cursor(keys=keys, args=args))
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("CURSOR"):
+                raise
+            raise FeederError(
+                f"the feeder cursor of task {task!r} moved to {str(exc)[7:] or 'nothing'!r} "
+                f"while this feeder expected {expected or 'nothing'!r}: is another feeder running?"
+            ) from None
+
+    def feeder_cursor(self, task: str) -> str:
+        value = self.client.hget(self.keys.state, feeder_field(task, "cursor"))
+        return "" if value is None else value.decode()
+
+    def unclaimed(self, task: str) -> int:
+        """Fresh prompts not yet delivered to any producer (acked entries are deleted)."""
+        self.ensure(task)
+        stream = self.keys.prompts(task)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(stream)
+        pipe.xpending(stream, PRODUCERS)
+        length, pending = pipe.execute()
+        return int(length) - int(pending["pending"])
 
     # --- producer side ---------------------------------------------------------------
 

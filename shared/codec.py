@@ -19,6 +19,9 @@ field slower than redis-py does. Decoding slices one buffer per field
 always one or two runs of the same step, so it travels as [step, count] runs.
 
 A fresh prompt entry is ``uid task data`` with the Prompt as orjson in ``data``.
+
+Token arrays round-trip bit for bit (NaN logprobs included). The JSON parts
+(meta, rewards, texts) follow JSON: a non-finite float there becomes null.
 """
 
 from __future__ import annotations
@@ -206,5 +209,6 @@ def field_text(fields: RawFields, name: str, default: str = "") -> str:
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, KeyError):
-        return f"missing field {exc.args[0]!r}"
+        name = exc.args[0]
+        return f"missing field {name.decode() if isinstance(name, bytes) else name!r}"
     return f"{type(exc).__name__}: {exc}"

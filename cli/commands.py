@@ -1,0 +1,99 @@
+"""What each command does, in terms of the library; the parser lives in cli.main."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import orjson
+from tqdm import tqdm
+
+from producer.feeder import Cursor, Feeder
+from producer.prompts import read_prompt_file
+from shared.buffer import ReplayBuffer, default_consumer_name
+from shared.connection import check_server, connect
+from shared.settings import Settings, redact_url
+from shared.status import RunStatus, run_status
+
+
+def _buffer(settings: Settings, role: str) -> ReplayBuffer:
+    return ReplayBuffer(connect(settings.redis), settings, default_consumer_name(role))
+
+
+def feed(settings: Settings, path: str, task: str) -> int:
+    settings.task(task)
+    prompts = read_prompt_file(path, task)  # every line is checked before anything is written
+    result = _buffer(settings, "feed").feed(prompts)
+    print(f"{path}: {result.added} prompts added to task {task!r}, {result.existing} already there")
+    return 0
+
+
+def run_feeder(
+    settings: Settings,
+    path: str,
+    task: str,
+    *,
+    epochs: int,
+    shuffle: bool,
+    seed: int,
+    keep_ahead: int,
+    stop: threading.Event,
+) -> int:
+    settings.task(task)
+    feeder = Feeder(
+        _buffer(settings, "feeder"), path, task, epochs=epochs, shuffle=shuffle, seed=seed, keep_ahead=keep_ahead
+    )
+    _, cursor = feeder.start_cursor()
+    total = len(feeder.offsets) * epochs
+    with tqdm(total=total, initial=feeder.done(cursor), unit="prompt", desc=f"feed {task}") as bar:
+
+        def on_fed(n: int, at: Cursor) -> None:
+            bar.update(n)
+            bar.set_postfix(epoch=at.epoch)
+
+        stats = feeder.run(stop, on_fed)
+    state = "stopped" if stats.epoch < epochs else "done"
+    print(f"{path}: {state} after {stats.fed} prompts this run, epoch {stats.epoch} of {epochs}")
+    return 0
+
+
+def format_status(status: RunStatus) -> str:
+    lines = [
+        f"run {status.run}: model_step {status.model_step}, train_step {status.train_step}, "
+        f"dead letters {status.dead_letters}, events {status.events}",
+        f"{'stream':44} {'length':>7} {'pending':>7} {'lag':>7} {'consumers':>9} {'oldest idle':>11}",
+    ]
+    for s in status.streams:
+        idle = "-" if s.oldest_pending_idle_ms is None else f"{s.oldest_pending_idle_ms / 1000:.1f}s"
+        lines.append(f"{s.key:44} {s.length:>7} {s.pending:>7} {s.lag:>7} {s.consumers:>9} {idle:>11}")
+    if status.progress:
+        lines.append("counts: " + ", ".join(f"{k}={v}" for k, v in status.progress.items()))
+    return "\n".join(lines)
+
+
+def status(settings: Settings, *, as_json: bool) -> int:
+    buffer = _buffer(settings, "status")
+    result = run_status(buffer.client, buffer.keys)
+    if as_json:
+        sys.stdout.write(orjson.dumps(result.to_dict()).decode() + "\n")
+    else:
+        print(format_status(result))
+    return 0
+
+
+def check(settings: Settings) -> int:
+    client = connect(settings.redis, check=False)
+    version = check_server(client, settings.redis.url)
+    print(f"Redis {version} answers at {redact_url(settings.redis.url)}")
+    return 0
+
+
+def example_prompts(path: Path, count: int) -> Path:
+    """A small arithmetic prompt file with answers, for the demo."""
+    rows = [
+        {"uid": f"add-{i}", "prompt": f"What is {i} + {2 * i + 1}?", "meta": {"answer": str(3 * i + 1)}}
+        for i in range(count)
+    ]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path

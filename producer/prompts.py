@@ -1,0 +1,98 @@
+"""Prompt files: JSONL, one prompt per line.
+
+A line is an object with ``prompt`` (a string) or ``messages`` (a chat list
+of ``{"role": ..., "content": ...}``), and optionally ``uid`` and ``meta``
+(what the judge needs, e.g. ``{"answer": "42"}``). Other keys are folded into
+``meta`` so that common dataset rows (``{"prompt": ..., "answer": ...}``)
+feed as they are. A line without ``uid`` gets one from a hash of its content,
+so feeding the same file twice stores each prompt once.
+
+A bad line raises PromptFileError naming the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from shared.errors import InputError, PromptFileError
+from shared.records import Prompt
+
+KNOWN = ("uid", "prompt", "messages", "meta", "prompt_ids")
+
+
+def _messages(value: Any) -> str | None:
+    """What is wrong with a chat list, or None."""
+    if not isinstance(value, list) or not value:
+        return "field 'messages' must be a non-empty list of {role, content} objects"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"field 'messages[{i}]' must be an object, got {type(message).__name__}"
+        if not isinstance(message.get("role"), str):
+            return f"field 'messages[{i}].role' must be a string"
+        if not isinstance(message.get("content"), str | list):
+            return f"field 'messages[{i}].content' must be a string or a list of parts"
+    return None
+
+
+def parse_prompt(raw: bytes, *, path: str, line: int, task: str) -> Prompt:
+    def bad(what: str) -> PromptFileError:
+        return PromptFileError(path, line, what)
+
+    try:
+        row = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise bad(f"expected a JSON object, got {type(row).__name__}")
+    has_prompt, has_messages = "prompt" in row, "messages" in row
+    if has_prompt == has_messages:
+        raise bad("needs exactly one of the fields 'prompt' (text) and 'messages' (chat list)")
+    if has_prompt:
+        text = row["prompt"]
+        if not isinstance(text, str) or not text:
+            raise bad(f"field 'prompt' must be a non-empty string, got {type(text).__name__}")
+    else:
+        problem = _messages(row["messages"])
+        if problem:
+            raise bad(problem)
+        text = row["messages"]
+    meta = row.get("meta", {})
+    if not isinstance(meta, dict):
+        raise bad(f"field 'meta' must be an object, got {type(meta).__name__}")
+    extra = {k: v for k, v in row.items() if k not in KNOWN}
+    meta = {**extra, **meta}
+    prompt_ids = row.get("prompt_ids")
+    if prompt_ids is not None and not (
+        isinstance(prompt_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids)
+    ):
+        raise bad("field 'prompt_ids' must be a list of integers")
+    uid = row.get("uid")
+    if uid is None:
+        digest = hashlib.sha1(orjson.dumps([text, meta], option=orjson.OPT_SORT_KEYS)).hexdigest()
+        uid = digest[:20]
+    elif isinstance(uid, bool) or not isinstance(uid, str | int) or uid == "":
+        raise bad(f"field 'uid' must be a non-empty string or an integer, got {uid!r}")
+    return Prompt(uid=str(uid), task=task, prompt=text, prompt_ids=prompt_ids, meta=meta)
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, content) of every non-blank line."""
+    offset = 0
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if raw.strip():
+                yield number, offset, raw
+            offset += len(raw)
+
+
+def read_prompt_file(path: str | Path, task: str) -> list[Prompt]:
+    """Every prompt of the file, or PromptFileError at the first bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    return [parse_prompt(raw, path=str(path), line=n, task=task) for n, _, raw in iter_lines(path)]

