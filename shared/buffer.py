@@ -318,7 +318,8 @@ class ReplayBuffer:
     # --- both sides ------------------------------------------------------------------
 
     def reclaim(self, kind: str, task: str, count: int, *, force: bool = False) -> list[Entry]:
-        """Take over entries idle longer than claim_idle_ms in the kind's consumer group.
+        """Take over entries that other consumers of the kind's group left idle longer
+        than claim_idle_ms (dead, or too slow to heartbeat with :meth:`touch`).
 
         Entries delivered more than max_attempts times go to the dead letters
         instead. Without ``force`` a stream is scanned at most twice per
@@ -331,7 +332,7 @@ class ReplayBuffer:
             return []
         self._last_reclaim[stream] = now
         out: list[Entry] = []
-        start = "0-0"
+        start = "-"
         while len(out) < count:
             keys = [stream, self.keys.dead, self.keys.progress]
             args = [
@@ -346,6 +347,19 @@ class ReplayBuffer:
             if start == "0-0":
                 break
         return out
+
+    def touch(self, entries: Iterable[Entry]) -> list[str]:
+        """Heartbeat of work in progress: reset the idle time of entries this consumer
+        still holds, so that nobody reclaims them while a long generation or train step
+        runs. Call it more often than claim_idle_ms. Returns the ids it no longer holds."""
+        by_stream: dict[tuple[str, str], list[str]] = {}
+        for entry in entries:
+            by_stream.setdefault((entry.stream, entry.kind), []).append(entry.id)
+        lost: list[str] = []
+        for (stream, kind), ids in by_stream.items():
+            reply = self.scripts.touch(keys=[stream], args=[GROUP_OF_KIND[kind], self.consumer, *ids])
+            lost += [i.decode() if isinstance(i, bytes) else str(i) for i in reply]
+        return lost
 
     def dead_letter(self, entry: Entry, reason: str) -> bool:
         """Move an entry to the dead-letter stream with the reason, its fields and the

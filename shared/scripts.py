@@ -87,51 +87,65 @@ return foreign
 
 # KEYS: stream, dead stream, progress hash
 # ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field
-# Claims entries idle longer than min idle; those delivered more than max attempts times, and those deleted
-# while pending, become dead letters. Returns {next start id, {{id, fields, deliveries}...}}.
+# Takes over entries idle longer than min idle from *other* consumers; those delivered
+# more than max attempts times, and those deleted while pending, become dead letters.
+# Returns {next start id ('0-0' when done), {{id, fields, deliveries}...}}.
+#
+# Not XAUTOCLAIM: it cannot leave the caller's own entries alone (a live producer
+# would take back, and count again, a claim it is still generating), and Redis 6.2
+# answers an entry deleted while pending with a nil in place of the entry, id and all.
+# XPENDING ... IDLE names each entry's owner; XCLAIM then takes one entry at a time.
 RECLAIM = (
     _DEAD_LETTER_FN
     + _CHECK_COUNTER_FN
     + """
 check_counter(KEYS[3], ARGV[7])
--- JUSTID finds and takes the idle entries (with the cursor to page on); XCLAIM then
--- counts the delivery and returns the fields, or nothing for an entry deleted while
--- pending, which Redis 6.2 would otherwise hand out again and again as a nil entry.
-local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
+local count = tonumber(ARGV[5])
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', count)
 local max_attempts = tonumber(ARGV[6])
 local out, dead = {}, 0
-for _, id in ipairs(r[2]) do
-  local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id)
-  local entry = claimed[1]
-  if not entry or not entry[2] then
-    redis.call('XACK', KEYS[1], ARGV[1], id)
-    dead_letter(KEYS[2], KEYS[1], id, 'deleted while pending', 0, nil)
-    dead = dead + 1
-  else
-    local fields = entry[2]
-    local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
-    local deliveries = p[1][4]
-    if deliveries > max_attempts then
-      dead_letter(KEYS[2], KEYS[1], id, 'delivered ' .. deliveries .. ' times, more than max_attempts ' .. max_attempts, deliveries, fields)
+for _, p in ipairs(pending) do
+  local id, owner, deliveries = p[1], p[2], p[4] + 1
+  if owner ~= ARGV[2] then
+    local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], id)
+    local entry = claimed[1]
+    if not entry or not entry[2] then
+      -- deleted while pending: Redis 7 has dropped it from the pending list, 6.2 keeps it
+      redis.call('XACK', KEYS[1], ARGV[1], id)
+      dead_letter(KEYS[2], KEYS[1], id, 'deleted while pending', deliveries, nil)
+      dead = dead + 1
+    elseif deliveries > max_attempts then
+      dead_letter(KEYS[2], KEYS[1], id, 'delivered ' .. deliveries .. ' times, more than max_attempts ' .. max_attempts, deliveries, entry[2])
       redis.call('XACK', KEYS[1], ARGV[1], id)
       redis.call('XDEL', KEYS[1], id)
       dead = dead + 1
     else
-      out[#out + 1] = {id, fields, deliveries}
+      out[#out + 1] = {id, entry[2], deliveries}
     end
   end
 end
--- Redis >= 7 has already dropped entries deleted while pending, and lists them here
-if r[3] then
-  for _, id in ipairs(r[3]) do
-    dead_letter(KEYS[2], KEYS[1], id, 'deleted while pending', 0, nil)
-    dead = dead + 1
-  end
-end
 if dead > 0 and ARGV[7] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[7], dead) end
-return {r[1], out}
+local cursor = '0-0'
+if #pending == count then cursor = '(' .. pending[#pending][1] end
+return {cursor, out}
 """
 )
+
+# KEYS: stream
+# ARGV: group, consumer, ids...
+# Resets the idle time of the ids still pending for this consumer (a heartbeat of work
+# in progress, so that nobody reclaims it); returns the ids that are no longer its own.
+TOUCH = """
+local lost, mine = {}, {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 0 then lost[#lost + 1] = ARGV[i] else mine[#mine + 1] = ARGV[i] end
+end
+if #mine > 0 then
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(mine), 'JUSTID')
+end
+return lost
+"""
 
 # KEYS: prompts stream, fed-uid set, progress hash
 # ARGV: progress field, then (uid, task, data) triples. Idempotent by uid.
@@ -187,6 +201,7 @@ class Scripts:
         self.settle: Script = client.register_script(SETTLE)
         self.commit: Script = client.register_script(COMMIT)
         self.reclaim: Script = client.register_script(RECLAIM)
+        self.touch: Script = client.register_script(TOUCH)
         self.feed: Script = client.register_script(FEED)
         self.feed_at_cursor: Script = client.register_script(FEED_AT_CURSOR)
 
