@@ -35,6 +35,7 @@ import platform
 import pstats
 import resource
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -62,6 +63,7 @@ VOCAB = 151_936
 RAW_STREAM = "raw:groups"
 RAW_GROUP = "trainer"
 TARGET_RATIO = 0.8
+CPU_SIDES = ("producer", "consumer", "redis")
 RESULTS = Path(__file__).resolve().parent / "results"
 START_TIMEOUT_S = 120
 RUN_TIMEOUT_S = 600
@@ -76,11 +78,11 @@ def main() -> None:
     with EmbeddedRedis() as server:
         settings = bench_settings(server.url)
         client = connect(settings.redis)
-        runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
+        runs: list[dict[str, Any]] = []  # in the order they ran
         for repeat in range(args.repeats):
             for way in ways:  # interleaved, each on a flushed database
                 run = run_once(client, settings, way, args.groups, fields)
-                runs[way].append(run)
+                runs.append(run)
                 print(f"  repeat {repeat + 1}/{args.repeats} {way:<8} {run['groups_per_s']:>8,.0f} groups/s")
         memory = {
             "ours": memory_per_group(client, settings, args.memory_groups, way="ours"),
@@ -121,7 +123,11 @@ def run_once(
     ]
     for process in children:
         process.start()
-    barrier.wait(timeout=START_TIMEOUT_S)
+    try:
+        barrier.wait(timeout=START_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        report = results.get(timeout=30)
+        raise RuntimeError(f"{way} {report['role']} failed at setup:\n{report.get('error')}") from None
     redis_cpu_before = redis_cpu_s(client)
     by_role = {}
     for _ in children:
@@ -361,20 +367,25 @@ def bench_settings(url: str) -> Settings:
 
 def summarize(
     args: argparse.Namespace,
-    runs: dict[str, list[dict[str, Any]]],
+    runs: list[dict[str, Any]],
     memory: dict[str, dict[str, float]],
     payload: int,
 ) -> dict[str, Any]:
     def spread(values: list[float]) -> dict[str, float]:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
-    rates = {way: spread([r["groups_per_s"] for r in rs]) for way, rs in runs.items()}
+    by_way: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_way.setdefault(run["way"], []).append(run)
+    rates = {way: spread([r["groups_per_s"] for r in rs]) for way, rs in by_way.items()}
     cpu = {
-        way: {side: statistics.median(r["cpu_us_per_group"][side] for r in rs) for side in rs[0]["cpu_us_per_group"]}
-        for way, rs in runs.items()
+        way: {side: statistics.median(r["cpu_us_per_group"][side] for r in rs) for side in CPU_SIDES}
+        for way, rs in by_way.items()
     }
-    # ratio of each repeat's pair too: the two ran back to back, so it is less noisy
-    pair_ratios = [o["groups_per_s"] / r["groups_per_s"] for o, r in zip(runs["ours"], runs["raw"], strict=True)]
+    # each repeat's own ratio too: its two runs ran back to back
+    pair_ratios = [
+        o["groups_per_s"] / r["groups_per_s"] for o, r in zip(by_way["ours"], by_way["raw"], strict=True)
+    ]
     ours_mem = memory["ours"]["used_memory_per_group"]
     result: dict[str, Any] = {
         "shape": {"samples": SAMPLES, "response_tokens": RESPONSE_TOKENS, "prompt_tokens": PROMPT_TOKENS},
@@ -386,7 +397,7 @@ def summarize(
         "ratio_vs_raw": rates["ours"]["median"] / rates["raw"]["median"],
         "ratio_per_repeat": pair_ratios,
         "groups_per_s": rates,
-        "repeats": [run for i in range(args.repeats) for way in runs for run in [runs[way][i]]],
+        "repeats": runs,
         "cpu_us_per_group": cpu,
         "payload_bytes": payload,
         "memory_per_group_bytes": ours_mem,
@@ -452,7 +463,9 @@ def payload_bytes(fields: codec.Fields) -> int:
     """Field names + values as redis-py sends them."""
     total = 0
     for name, value in fields.items():
-        total += len(name) + len(value if isinstance(value, bytes) else repr(value).encode())
+        if not isinstance(value, bytes):
+            value = (repr(value) if isinstance(value, float) else str(value)).encode()
+        total += len(name) + len(value)
     return total
 
 

@@ -142,7 +142,9 @@ for i = 3, #ARGV do
   if #p == 0 then lost[#lost + 1] = ARGV[i] else mine[#mine + 1] = ARGV[i] end
 end
 if #mine > 0 then
-  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(mine), 'JUSTID')
+  -- unpack() must come last in an argument list, or Lua keeps only its first value
+  mine[#mine + 1] = 'JUSTID'
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(mine))
 end
 return lost
 """
