@@ -42,7 +42,13 @@ def run_feeder(
 ) -> int:
     settings.task(task)
     feeder = Feeder(
-        _buffer(settings, "feeder"), path, task, epochs=epochs, shuffle=shuffle, seed=seed, keep_ahead=keep_ahead
+        _buffer(settings, "feeder"),
+        path,
+        task,
+        epochs=epochs,
+        shuffle=shuffle,
+        seed=seed,
+        keep_ahead=keep_ahead,
     )
     _, cursor = feeder.start_cursor()
     total = len(feeder.offsets) * epochs

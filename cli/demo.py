@@ -28,6 +28,7 @@ def demo(prompts: int = 64) -> int:
         rows = read_prompt_file(path, "math")
         first = buffer.feed(rows)
         again = buffer.feed(rows)
-        print(f"feed {path.name}: {first.added} added; fed again: {again.added} added, {again.existing} already there")
+        print(f"feed {path.name}: {first.added} added")
+        print(f"fed again: {again.added} added, {again.existing} already there (idempotent by uid)")
         print(format_status(run_status(buffer.client, buffer.keys)))
     return 0

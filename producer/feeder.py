@@ -39,7 +39,13 @@ class Cursor:
 
     def dumps(self) -> str:
         return orjson.dumps(
-            {"source": self.source, "seed": self.seed, "shuffle": self.shuffle, "epoch": self.epoch, "pos": self.pos},
+            {
+                "source": self.source,
+                "seed": self.seed,
+                "shuffle": self.shuffle,
+                "epoch": self.epoch,
+                "pos": self.pos,
+            },
             option=orjson.OPT_SORT_KEYS,
         ).decode()
 

@@ -68,7 +68,8 @@ def parse_prompt(raw: bytes, *, path: str, line: int, task: str) -> Prompt:
     meta = {**extra, **meta}
     prompt_ids = row.get("prompt_ids")
     if prompt_ids is not None and not (
-        isinstance(prompt_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids)
+        isinstance(prompt_ids, list)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids)
     ):
         raise bad("field 'prompt_ids' must be a list of integers")
     uid = row.get("uid")

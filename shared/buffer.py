@@ -35,6 +35,10 @@ FEED_CHUNK = 500
 RECOVERED = "done"
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def default_consumer_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
@@ -181,7 +185,7 @@ class ReplayBuffer:
 
     def feeder_cursor(self, task: str) -> str:
         value = self.client.hget(self.keys.state, feeder_field(task, "cursor"))
-        return "" if value is None else value.decode()
+        return "" if value is None else _text(value)
 
     def unclaimed(self, task: str) -> int:
         """Fresh prompts not yet delivered to any producer (acked entries are deleted)."""
@@ -291,7 +295,7 @@ class ReplayBuffer:
         keys = [self.keys.groups(batch.task), self.keys.progress]
         args = [TRAINER, self.consumer, self._progress(batch.task, "consumed"), *ids]
         foreign = self.scripts.commit(keys=keys, args=args)
-        return [i.decode() if isinstance(i, bytes) else str(i) for i in foreign]
+        return [_text(i) for i in foreign]
 
     def expire(self, item: BatchItem, keep: Sequence[Sample] = ()) -> str | None:
         """Move a too-stale group to the expired pool as its prompt (plus ``keep``), and
@@ -335,15 +339,15 @@ class ReplayBuffer:
         start = "-"
         while len(out) < count:
             keys = [stream, self.keys.dead, self.keys.progress]
-            args = [
+            args: list[Any] = [
                 GROUP_OF_KIND[kind], self.consumer, idle_ms, start, count - len(out),
                 self.settings.buffer.max_attempts, self._progress(task, "dead"),
             ]  # fmt: skip
             cursor, claimed = self.scripts.reclaim(keys=keys, args=args)
             for entry_id, flat, deliveries in claimed:
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                out.append(Entry(stream, kind, task, entry_id.decode(), fields, int(deliveries)))
-            start = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+                out.append(Entry(stream, kind, task, _text(entry_id), fields, int(deliveries)))
+            start = _text(cursor)
             if start == "0-0":
                 break
         return out
@@ -358,7 +362,7 @@ class ReplayBuffer:
         lost: list[str] = []
         for (stream, kind), ids in by_stream.items():
             reply = self.scripts.touch(keys=[stream], args=[GROUP_OF_KIND[kind], self.consumer, *ids])
-            lost += [i.decode() if isinstance(i, bytes) else str(i) for i in reply]
+            lost += [_text(i) for i in reply]
         return lost
 
     def dead_letter(self, entry: Entry, reason: str) -> bool:
@@ -390,12 +394,10 @@ class ReplayBuffer:
         )  # fmt: skip
         if result is None:
             return None
-        return result.decode() if isinstance(result, bytes) else str(result)
+        return _text(result)
 
-    def _read(
-        self, group: str, kinds: list[str], task: str, count: int, *, block_ms: int = 0
-    ) -> list[Entry]:
-        streams = {self.keys.stream(kind, task): ">" for kind in kinds}
+    def _read(self, group: str, kinds: list[str], task: str, count: int, *, block_ms: int = 0) -> list[Entry]:
+        streams: dict[Any, Any] = {self.keys.stream(kind, task): ">" for kind in kinds}
         reply = self._xreadgroup(group, streams, count, block_ms or None)
         return self._entries(reply, task)
 
@@ -418,7 +420,7 @@ class ReplayBuffer:
                 stream, TRAINER, min=entries[0].id, max=entries[-1].id, count=len(entries),
                 consumername=self.consumer,
             )  # fmt: skip
-            counts = {p["message_id"].decode(): int(p["times_delivered"]) for p in pending}
+            counts = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
             max_attempts = self.settings.buffer.max_attempts
             kept = []
             for entry in entries:
@@ -433,9 +435,7 @@ class ReplayBuffer:
             entries = kept
         return entries
 
-    def _xreadgroup(
-        self, group: str, streams: dict[str, str], count: int, block_ms: int | None
-    ) -> Any:
+    def _xreadgroup(self, group: str, streams: dict[Any, Any], count: int, block_ms: int | None) -> Any:
         try:
             return self.client.xreadgroup(group, self.consumer, streams, count=count, block=block_ms)
         except redis.ResponseError as exc:
@@ -452,10 +452,9 @@ class ReplayBuffer:
     def _entries(self, reply: Any, task: str, deliveries: int = 1) -> list[Entry]:
         out = []
         for stream_name, items in reply or []:
-            stream = stream_name.decode() if isinstance(stream_name, bytes) else stream_name
+            stream = _text(stream_name)
             parsed = self.keys.parse_stream(stream)
             kind = parsed[0] if parsed else "prompts"
             for entry_id, fields in items:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append(Entry(stream, kind, task, eid, fields or {}, deliveries))
+                out.append(Entry(stream, kind, task, _text(entry_id), fields or {}, deliveries))
         return out

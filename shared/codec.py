@@ -156,7 +156,7 @@ def _decode_group(fields: RawFields) -> Group:
     logprobs = np.frombuffer(fields[b"logprobs"], dtype=LOGPROB_DTYPE)
     shared_prompt = meta["shared_prompt"]
     samples = []
-    r = l = p = 0
+    r = lp = p = 0
     for item in meta["samples"]:
         n, nlp = item["len"], item["lp"]
         if shared_prompt:
@@ -165,13 +165,13 @@ def _decode_group(fields: RawFields) -> Group:
             sample_prompt = prompt_ids[p : p + item["plen"]]
             p += item["plen"]
         versions = _unruns(item["ver"])
-        if r + n > len(response_ids) or l + nlp > len(logprobs) or len(versions) != n:
+        if r + n > len(response_ids) or lp + nlp > len(logprobs) or len(versions) != n:
             raise DecodeError("token arrays are shorter than the sample lengths say", fields)
         samples.append(
             Sample(
                 prompt_ids=sample_prompt,
                 response_ids=response_ids[r : r + n],
-                logprobs=logprobs[l : l + nlp],
+                logprobs=logprobs[lp : lp + nlp],
                 response_versions=versions,
                 finish_reason=item["finish"],
                 reward=item["reward"],
@@ -180,8 +180,8 @@ def _decode_group(fields: RawFields) -> Group:
             )
         )
         r += n
-        l += nlp
-    if r != len(response_ids) or l != len(logprobs) or (not shared_prompt and p != len(prompt_ids)):
+        lp += nlp
+    if r != len(response_ids) or lp != len(logprobs) or (not shared_prompt and p != len(prompt_ids)):
         raise DecodeError("token arrays are longer than the sample lengths say", fields)
     return Group(
         group_id=fields[b"group_id"].decode(),

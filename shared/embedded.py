@@ -97,8 +97,7 @@ class EmbeddedRedis:
                     if time.monotonic() > deadline:
                         self.stop()
                         raise RollstreamError(
-                            f"{self.binary} did not answer on port {self.port} "
-                            f"within {timeout_s:.0f} s"
+                            f"{self.binary} did not answer on port {self.port} within {timeout_s:.0f} s"
                         ) from None
                     time.sleep(0.02)
         finally:

@@ -1,16 +1,16 @@
 """The exception tree of rollstream. Everything we raise on purpose is one of these.
 
-    RollstreamError
-    ├── SettingsError          an invalid setting: names the setting and what is allowed
-    ├── RedisUnavailable       Redis did not answer: names the URL (never the password)
-    ├── RedisTooOld            the server lacks a command we need (XAUTOCLAIM: 6.2)
-    ├── ServerNotFound         no redis-server binary to start an embedded server with
-    ├── InputError             bad user input
-    │   └── PromptFileError    a malformed prompt line: file, line and field
-    ├── DecodeError            a stream entry that cannot be decoded into a record
-    ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
-    └── ReplayBufferError      a replay-buffer operation that cannot proceed
-        └── BatchTimeout       not enough groups arrived in time
+RollstreamError
+├── SettingsError          an invalid setting: names the setting and what is allowed
+├── RedisUnavailable       Redis did not answer: names the URL (never the password)
+├── RedisTooOld            the server lacks a command we need (XAUTOCLAIM: 6.2)
+├── ServerNotFound         no redis-server binary to start an embedded server with
+├── InputError             bad user input
+│   └── PromptFileError    a malformed prompt line: file, line and field
+├── DecodeError            a stream entry that cannot be decoded into a record
+├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
+└── ReplayBufferError      a replay-buffer operation that cannot proceed
+    └── BatchTimeout       not enough groups arrived in time
 """
 
 from __future__ import annotations

@@ -90,9 +90,7 @@ class Sample:
         self.status = Status(self.status)
         n = len(self.response_ids)
         if len(self.response_versions) != n:
-            raise ValueError(
-                f"response_versions has {len(self.response_versions)} entries for {n} tokens"
-            )
+            raise ValueError(f"response_versions has {len(self.response_versions)} entries for {n} tokens")
         if len(self.logprobs) not in (0, n):
             raise ValueError(f"logprobs has {len(self.logprobs)} entries for {n} tokens")
 
@@ -141,7 +139,9 @@ class Group:
         steps = [int(s.response_versions.min()) for s in self.samples if len(s.response_versions)]
         if steps:
             self.model_step = min(steps)
-        self.status = group_status(s.status for s in self.samples) if self.status is None else Status(self.status)
+        self.status = (
+            group_status(s.status for s in self.samples) if self.status is None else Status(self.status)
+        )
 
     @classmethod
     def for_prompt(cls, prompt: Prompt, **kwargs: Any) -> Group:

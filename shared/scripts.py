@@ -115,7 +115,8 @@ for _, p in ipairs(pending) do
       dead_letter(KEYS[2], KEYS[1], id, 'deleted while pending', deliveries, nil)
       dead = dead + 1
     elseif deliveries > max_attempts then
-      dead_letter(KEYS[2], KEYS[1], id, 'delivered ' .. deliveries .. ' times, more than max_attempts ' .. max_attempts, deliveries, entry[2])
+      local reason = 'delivered ' .. deliveries .. ' times, more than max_attempts ' .. max_attempts
+      dead_letter(KEYS[2], KEYS[1], id, reason, deliveries, entry[2])
       redis.call('XACK', KEYS[1], ARGV[1], id)
       redis.call('XDEL', KEYS[1], id)
       dead = dead + 1

@@ -77,7 +77,9 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
         pipe.xinfo_groups(key)
         pipe.xpending_range(key, group, min="-", max="+", count=1)
         length, groups, oldest = pipe.execute(raise_on_error=False)
-        info = next((g for g in groups if _text(g["name"]) == group), None) if isinstance(groups, list) else None
+        info = (
+            next((g for g in groups if _text(g["name"]) == group), None) if isinstance(groups, list) else None
+        )
         pending = int(info["pending"]) if info else 0
         idle = int(oldest[0]["time_since_delivered"]) if isinstance(oldest, list) and oldest else None
         status.streams.append(

@@ -278,7 +278,9 @@ def test_blocking_claim_wakes_on_new_work(make) -> None:  # type: ignore[no-unty
     waiter, feeder = make("waiter"), make("feeder")
     waiter.ensure("math")
     got: list[str] = []
-    thread = threading.Thread(target=lambda: got.extend(c.prompt.uid for c in waiter.claim("math", 2, block_ms=5000)))
+    thread = threading.Thread(
+        target=lambda: got.extend(c.prompt.uid for c in waiter.claim("math", 2, block_ms=5000))
+    )
     thread.start()
     time.sleep(0.2)
     feeder.feed(prompts("math", 1))

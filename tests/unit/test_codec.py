@@ -14,7 +14,13 @@ from shared.records import Group, Prompt, Sample, Status, group_status
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
-JSON_SCALAR = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8) | st.floats(allow_nan=False, allow_infinity=False)
+JSON_SCALAR = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
 JSON = st.recursive(
     JSON_SCALAR,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
@@ -22,7 +28,9 @@ JSON = st.recursive(
 )
 TEXT_PROMPT = st.text(min_size=1, max_size=30)
 CHAT_PROMPT = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=20)}),
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=20)}
+    ),
     min_size=1,
     max_size=3,
 )
@@ -52,7 +60,9 @@ def samples(draw: st.DrawFn, prompt_ids: list[int] | None = None) -> Sample:
         logprobs=draw(st.lists(FLOAT32, min_size=n, max_size=n)) if with_logprobs else [],
         response_versions=versions,
         finish_reason=draw(st.sampled_from([None, "stop", "length", "abort", "tool_calls"])),
-        reward=draw(st.dictionaries(st.sampled_from(["score", "acc", "format"]), st.floats(-10, 10), max_size=3)),
+        reward=draw(
+            st.dictionaries(st.sampled_from(["score", "acc", "format"]), st.floats(-10, 10), max_size=3)
+        ),
         status=draw(st.sampled_from(list(Status))),
         text=draw(st.text(max_size=30)),
     )
@@ -127,7 +137,10 @@ def test_packed_tokens_are_smaller_than_json_lists() -> None:
     packed = sum(len(v) if isinstance(v, bytes) else len(str(v)) for v in codec.encode_group(group).values())
     as_json = len(
         orjson.dumps(
-            [[s.response_ids.tolist(), s.logprobs.tolist(), s.response_versions.tolist()] for s in group.samples]
+            [
+                [s.response_ids.tolist(), s.logprobs.tolist(), s.response_versions.tolist()]
+                for s in group.samples
+            ]
         )
     )
     assert packed * 2 < as_json

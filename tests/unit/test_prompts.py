@@ -24,7 +24,11 @@ def test_chat_prompt_and_extra_keys_fold_into_meta() -> None:
 
 
 def test_uid_from_content_is_stable_and_distinct() -> None:
-    a, b, c = parse('{"prompt": "x", "answer": 1}'), parse('{"answer": 1, "prompt": "x"}'), parse('{"prompt": "y"}')
+    a, b, c = (
+        parse('{"prompt": "x", "answer": 1}'),
+        parse('{"answer": 1, "prompt": "x"}'),
+        parse('{"prompt": "y"}'),
+    )
     assert a.uid == b.uid != c.uid
 
 

@@ -47,7 +47,11 @@ def test_config_env_names_a_missing_file(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.parametrize(
     ("env", "value", "names"),
     [
-        ("ROLLSTREAM_BUFFER__MAX_ATTEMPTS", "0", ["buffer.max_attempts", "ROLLSTREAM_BUFFER__MAX_ATTEMPTS", ">= 1"]),
+        (
+            "ROLLSTREAM_BUFFER__MAX_ATTEMPTS",
+            "0",
+            ["buffer.max_attempts", "ROLLSTREAM_BUFFER__MAX_ATTEMPTS", ">= 1"],
+        ),
         ("ROLLSTREAM_BUFFER__CLAIM_IDLE_MS", "soon", ["buffer.claim_idle_ms", "integer"]),
         ("ROLLSTREAM_REDIS__URL", "http://localhost:6379", ["redis.url", "redis, rediss, unix"]),
         ("ROLLSTREAM_RUN", "my run{1}", ["run", "ROLLSTREAM_RUN", "pattern"]),
@@ -76,7 +80,7 @@ def test_unknown_task_lists_the_known_ones() -> None:
 
 
 def test_unknown_setting_is_an_error() -> None:
-    with pytest.raises(SettingsError, match="buffer.max_attemps"):
+    with pytest.raises(SettingsError, match=r"buffer\.max_attemps"):
         load_settings(buffer={"max_attemps": 3})
 
 
