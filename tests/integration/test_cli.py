@@ -132,3 +132,12 @@ def test_feeder_process_stops_on_sigterm_and_resumes_where_it_stopped(
     uids = [f[b"uid"].decode() for _, f in client.xrange(keys.prompts("default"))]
     assert len(uids) == len(set(uids)) == 32
     assert all(u.endswith(("@0", "@1")) for u in uids)
+
+
+def test_demo_round_trips_through_an_embedded_redis() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.main", "demo", "--prompts", "8"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "8 added" in result.stdout and "8 already there" in result.stdout
+    assert "math:completed=4, math:consumed=4, math:fed=8" in result.stdout
