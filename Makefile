@@ -21,7 +21,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy shared producer consumer cli
+	$(VENV)/bin/mypy shared producer consumer cli bench
 
 bench: $(STAMP)
 	$(PY) bench/codec.py

@@ -19,7 +19,7 @@ flushed database. CPU per group is getrusage in each child (and INFO cpu for
 redis-server); memory per group is the used_memory delta with K groups left
 unconsumed in the groups stream, against the payload (field names + values).
 
-    .venv/bin/python bench/buffer.py             # ~1-2 min on 2 cores
+    .venv/bin/python bench/buffer.py             # ~1 min on 2 cores
     .venv/bin/python bench/buffer.py --quick     # a few seconds
     .venv/bin/python bench/buffer.py --profile   # and cProfile ours' children once
 """
@@ -117,7 +117,9 @@ def run_once(
     results = ctx.Queue()
     children = [
         ctx.Process(
-            target=child, args=(role, way, settings.redis.url, n, fields, barrier, results, profile_dir)
+            target=child,
+            args=(role, way, settings.redis.url, n, fields, barrier, results, profile_dir),
+            daemon=True,  # never outlive a failed run
         )
         for role in ("producer", "consumer")
     ]
@@ -200,7 +202,8 @@ def child(
 
 
 def ours_producer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
-    buffer = ReplayBuffer(connect(bench_settings(url).redis), bench_settings(url), "producer-0")
+    settings = bench_settings(url)
+    buffer = ReplayBuffer(connect(settings.redis), settings, "producer-0")
     samples = build_samples()
     buffer.ensure(TASK)
 
@@ -221,7 +224,8 @@ def ours_producer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
 
 
 def ours_consumer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
-    buffer = ReplayBuffer(connect(bench_settings(url).redis), bench_settings(url), "trainer")
+    settings = bench_settings(url)
+    buffer = ReplayBuffer(connect(settings.redis), settings, "trainer")
     buffer.ensure(TASK)
 
     def loop() -> int:
@@ -255,7 +259,9 @@ def raw_consumer(url: str, n: int, fields: codec.Fields, delete: bool = True) ->
     def loop() -> int:
         done = tokens = 0
         while done < n:
-            reply = client.xreadgroup(RAW_GROUP, "trainer", {RAW_STREAM: ">"}, count=BATCH, block=BLOCK_MS)
+            reply: Any = client.xreadgroup(
+                RAW_GROUP, "trainer", {RAW_STREAM: ">"}, count=BATCH, block=BLOCK_MS
+            )
             if not reply:
                 continue
             entries = reply[0][1]
@@ -341,7 +347,9 @@ def build_samples(seed: int = 0) -> list[Sample]:
             prompt_ids=prompt_ids,
             response_ids=rng.integers(0, VOCAB, RESPONSE_TOKENS, dtype=np.int32),
             logprobs=-rng.exponential(1.0, RESPONSE_TOKENS).astype(np.float32),
-            response_versions=np.repeat(np.int32([6, 7]), [sync_at, RESPONSE_TOKENS - sync_at]),
+            response_versions=np.repeat(
+                np.array([6, 7], dtype=np.int32), [sync_at, RESPONSE_TOKENS - sync_at]
+            ),
             finish_reason="stop",
             reward={"score": 1.0},
         )
@@ -422,11 +430,11 @@ def print_table(r: dict[str, Any]) -> None:
             f"{cpu['producer']:>11,.0f}{cpu['consumer']:>11,.0f}{cpu['redis']:>9,.0f}"
             f"{rate['median'] * r['payload_bytes'] / 1e6:>8,.0f}"
         )
-    m = r["memory"]
+    ours, raw = r["memory"]["ours"], r["memory"]["raw"]
     print(
-        f"memory per group ({m['ours']['k']} unconsumed): ours {m['ours']['used_memory_per_group'] / 1024:,.1f} KiB "
-        f"(MEMORY USAGE {m['ours']['memory_usage_per_group'] / 1024:,.1f}), raw "
-        f"{m['raw']['used_memory_per_group'] / 1024:,.1f} KiB; payload {r['payload_bytes'] / 1024:,.1f} KiB "
+        f"memory per group ({ours['k']} unconsumed): ours {ours['used_memory_per_group'] / 1024:,.1f} KiB "
+        f"(MEMORY USAGE {ours['memory_usage_per_group'] / 1024:,.1f}), raw "
+        f"{raw['used_memory_per_group'] / 1024:,.1f} KiB; payload {r['payload_bytes'] / 1024:,.1f} KiB "
         f"-> overhead {r['memory_overhead']:.2f}x"
     )
     pairs = ", ".join(f"{x:.2f}" for x in r["ratio_per_repeat"])
@@ -471,7 +479,7 @@ def payload_bytes(fields: codec.Fields) -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--groups", type=int, default=3_000, help="groups per run")
+    parser.add_argument("--groups", type=int, default=8_000, help="groups per run")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each way, interleaved")
     parser.add_argument("--memory-groups", type=int, default=256, help="K for memory per group")
     parser.add_argument("--ack-only", action="store_true", help="also run raw with XACK and no XDEL")

@@ -18,7 +18,7 @@ from producer.prompts import read_prompt_file
 from shared.buffer import ReplayBuffer
 from shared.connection import connect
 from shared.embedded import EmbeddedRedis
-from shared.records import Group, Prompt, Sample
+from shared.records import Group, Prompt, Sample, as_ids, as_logprobs
 from shared.settings import load_settings
 from shared.status import run_status
 
@@ -30,10 +30,10 @@ def placeholder_group(prompt: Prompt, n: int, rng: np.random.Generator) -> Group
         length = int(rng.integers(16, 256))
         samples.append(
             Sample(
-                prompt_ids=np.arange(32),
-                response_ids=rng.integers(0, 32_000, length),
-                logprobs=-rng.random(length),
-                response_versions=np.zeros(length),
+                prompt_ids=as_ids(np.arange(32)),
+                response_ids=as_ids(rng.integers(0, 32_000, length)),
+                logprobs=as_logprobs(-rng.random(length)),
+                response_versions=as_ids(np.zeros(length)),
                 finish_reason="stop",
                 reward={"score": float(rng.integers(0, 2))},
             )

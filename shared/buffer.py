@@ -28,7 +28,7 @@ from shared import codec
 from shared.errors import DecodeError, FeederError, ReplayBufferError
 from shared.keys import GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, feeder_field, progress_field
 from shared.records import Group, Prompt, Sample, Status
-from shared.scripts import Scripts, flatten
+from shared.scripts import SETTLE_GATE, Scripts
 from shared.settings import Settings
 
 FEED_CHUNK = 500
@@ -37,6 +37,13 @@ RECOVERED = "done"
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _flat(fields: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for name, value in fields.items():
+        out += (name, value)
+    return out
 
 
 def default_consumer_name(role: str) -> str:
@@ -338,7 +345,7 @@ class ReplayBuffer:
         out: list[Entry] = []
         start = "-"
         while len(out) < count:
-            keys = [stream, self.keys.dead, self.keys.progress]
+            keys = [stream, self.keys.dead, self.keys.progress, self.keys.fence(stream)]
             args: list[Any] = [
                 GROUP_OF_KIND[kind], self.consumer, idle_ms, start, count - len(out),
                 self.settings.buffer.max_attempts, self._progress(task, "dead"),
@@ -384,17 +391,67 @@ class ReplayBuffer:
     def _settle(
         self, entry: Entry, dest: str | None, fields: dict[str, Any] | None, counter: str
     ) -> str | None:
-        args = flatten(fields) if fields else []
-        result = self.scripts.settle(
-            keys=[entry.stream, dest or entry.stream, self.keys.progress],
-            args=[
-                GROUP_OF_KIND[entry.kind], self.consumer, entry.id,
-                self._progress(entry.task, counter), len(args), *args,
-            ],
+        """Ack + delete a held entry, first appending ``fields`` to ``dest`` if given, as
+        one MULTI/EXEC; None, with nothing written, when the entry is no longer ours.
+
+        A group's payload never passes through Lua (see shared/scripts.py), and it all
+        goes in one round trip: WATCH the stream's fence counter, run the gate script,
+        then MULTI, the writes, EXEC. Only a reclaim moves an entry to another owner and
+        every reclaim bumps the fence, so an EXEC that runs saw no owner change since
+        the gate checked. A gate that refuses bumps the fence itself, which aborts this
+        client's own EXEC. A reclaim between gate and EXEC aborts it too: check again.
+        """
+        group = GROUP_OF_KIND[entry.kind]
+        fence = self.keys.fence(entry.stream)
+        progress_name = self._progress(entry.task, counter)
+        gate = (
+            "EVAL", SETTLE_GATE, 4, entry.stream, dest or entry.stream, self.keys.progress, fence,
+            group, self.consumer, entry.id, progress_name, "1" if dest else "0",
         )  # fmt: skip
-        if result is None:
-            return None
-        return _text(result)
+        writes: list[tuple[Any, ...]] = []
+        if dest:
+            writes.append(("XADD", dest, "*", *_flat(fields or {})))
+        writes += [
+            ("XACK", entry.stream, group, entry.id),
+            ("XDEL", entry.stream, entry.id),
+            ("HINCRBY", self.keys.progress, progress_name, 1),
+        ]
+        while True:
+            replies = self._round_trip([("WATCH", fence), gate, ("MULTI",), *writes, ("EXEC",)])
+            verdict, done = replies[1], replies[-1]
+            if isinstance(verdict, Exception):
+                raise verdict
+            if verdict == 0:
+                if done is not None:  # pragma: no cover - only if WATCH were not honoured
+                    raise ReplayBufferError(f"settle of {entry.id} ran although its gate refused")
+                return None
+            if done is None:
+                continue  # a reclaim of this stream came between gate and EXEC
+            for reply in done:
+                if isinstance(reply, Exception):
+                    raise reply
+            return _text(done[0]) if dest else "OK"
+
+    def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send commands in one packet on one connection and read every reply; error
+        replies come back as exceptions in place."""
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))  # type: ignore[no-untyped-call]
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            # a half-read connection, or one with a WATCH pending, must not be reused
+            conn.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(conn)
 
     def _read(self, group: str, kinds: list[str], task: str, count: int, *, block_ms: int = 0) -> list[Entry]:
         streams: dict[Any, Any] = {self.keys.stream(kind, task): ">" for kind in kinds}

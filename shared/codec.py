@@ -1,9 +1,10 @@
 """Stream-entry encoding of the records: orjson for structure, packed bytes for tokens.
 
-Measured on the reference 2-core machine (bench/codec.py prints it again):
-an 8 x 2,048-token group round-tripped through Redis about 8x faster with
-token ids and logprobs packed as little-endian int32 / float32 bytes than as
-JSON lists, and 3x smaller. So a group entry is:
+Measured by bench/codec.py (2-core machine, 8 x 2,048 response + 512 prompt
+tokens): packing token ids and logprobs as little-endian int32 / float32
+bytes makes a group 3.5x smaller than JSON lists (131 KiB against 459 KiB),
+encodes and decodes it 12x faster (21x counting the conversion of lists into
+records), and round-trips it through Redis about 4x faster. So a group entry is:
 
     task group_id model_step status n attempt producer      plain text fields that
     reward_mean prompt_tokens response_tokens               redis-cli XRANGE shows
@@ -13,10 +14,10 @@ JSON lists, and 3x smaller. So a group entry is:
     response_ids   int32 LE bytes, all samples concatenated
     logprobs       float32 LE bytes, all samples concatenated
 
-Big payloads are split over several fields because hiredis packs one huge
-field slower than redis-py does. Decoding slices one buffer per field
-(``np.frombuffer``), so no token is copied. ``response_versions`` is nearly
-always one or two runs of the same step, so it travels as [step, count] runs.
+Decoding slices one buffer per field (``np.frombuffer``), so no token is
+copied and the arrays of a decoded group are read-only views.
+``response_versions`` is nearly always one or two runs of the same step, so
+it travels as [step, count] runs.
 
 A fresh prompt entry is ``uid task data`` with the Prompt as orjson in ``data``.
 
@@ -78,26 +79,53 @@ def decode_prompt(fields: RawFields) -> Prompt:
 
 
 def _runs(versions: IdArray) -> list[list[int]]:
-    if len(versions) == 0:
+    n = len(versions)
+    if n == 0:
         return []
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(versions)) + 1))
-    counts = np.diff(np.append(starts, len(versions)))
-    return np.stack((versions[starts], counts), axis=1).tolist()  # type: ignore[no-any-return]
+    cuts = (np.flatnonzero(versions[1:] != versions[:-1]) + 1).tolist()
+    if not cuts:  # the common case: one policy version for the whole response
+        return [[int(versions[0]), n]]
+    starts, ends = [0, *cuts], [*cuts, n]
+    return [[int(versions[a]), b - a] for a, b in zip(starts, ends, strict=True)]
 
 
-def _unruns(runs: list[list[int]]) -> IdArray:
+def _unruns(runs: list[list[int]], pool: dict[int, IdArray]) -> IdArray:
+    """Versions from runs. A single run (the common case) is a view of one read-only
+    array per step and group, so a group of n samples allocates once, not n times."""
     if not runs:
         return _EMPTY_IDS
+    if len(runs) == 1:
+        value, count = runs[0]
+        if count < 1:
+            raise ValueError("version run with a count below 1")
+        return pool[value][:count]
     values, counts = zip(*runs, strict=True)
     if min(counts) < 1:
         raise ValueError("version run with a count below 1")
-    return np.repeat(np.asarray(values, dtype=ID_DTYPE), counts)
+    versions = np.repeat(np.asarray(values, dtype=ID_DTYPE), counts)
+    versions.flags.writeable = False  # like every other array of a decoded group
+    return versions
+
+
+def _version_pool(sample_meta: list[dict[str, Any]]) -> dict[int, IdArray]:
+    longest: dict[int, int] = {}
+    for item in sample_meta:
+        runs = item["ver"]
+        if len(runs) == 1:
+            value, count = runs[0]
+            longest[value] = max(longest.get(value, 0), count)
+    pool = {}
+    for value, count in longest.items():
+        array = np.full(count, value, dtype=ID_DTYPE)
+        array.flags.writeable = False
+        pool[value] = array
+    return pool
 
 
 def encode_group(group: Group) -> Fields:
     samples = group.samples
-    first_prompt = samples[0].prompt_ids if samples else _EMPTY_IDS
-    shared_prompt = all(np.array_equal(s.prompt_ids, first_prompt) for s in samples[1:])
+    prompt_bytes = samples[0].prompt_ids.tobytes() if samples else b""
+    shared_prompt = all(s.prompt_ids.tobytes() == prompt_bytes for s in samples[1:])
     sample_meta = []
     for s in samples:
         item: dict[str, Any] = {
@@ -112,8 +140,19 @@ def encode_group(group: Group) -> Fields:
         if not shared_prompt:
             item["plen"] = len(s.prompt_ids)
         sample_meta.append(item)
+    prompt = prompt_to_dict(group.prompt)
+    # The prompt's own token ids are nearly always its samples' prompt ids: store them once.
+    in_samples = bool(
+        shared_prompt
+        and samples
+        and group.prompt.prompt_ids is not None
+        and samples[0].prompt_ids.tolist() == group.prompt.prompt_ids
+    )
+    if in_samples:
+        del prompt["prompt_ids"]
     meta = {
-        "prompt": prompt_to_dict(group.prompt),
+        "prompt": prompt,
+        "prompt_ids_in_samples": in_samples,
         "samples": sample_meta,
         "shared_prompt": shared_prompt,
         "created_at": group.created_at,
@@ -121,7 +160,8 @@ def encode_group(group: Group) -> Fields:
     }
     reward_mean = group.reward_mean
     status = group.status or Status.COMPLETED
-    prompt_ids = first_prompt if shared_prompt else np.concatenate([s.prompt_ids for s in samples])
+    if not shared_prompt:
+        prompt_bytes = b"".join(s.prompt_ids.tobytes() for s in samples)
     return {
         "task": group.task,
         "group_id": group.group_id,
@@ -131,12 +171,13 @@ def encode_group(group: Group) -> Fields:
         "attempt": group.attempt,
         "producer": group.producer,
         "reward_mean": "" if reward_mean is None else repr(reward_mean),
-        "prompt_tokens": len(first_prompt) if shared_prompt else len(prompt_ids),
+        "prompt_tokens": len(prompt_bytes) // ID_DTYPE.itemsize,
         "response_tokens": group.response_tokens,
         "meta": orjson.dumps(meta),
-        "prompt_ids": prompt_ids.astype(ID_DTYPE, copy=False).tobytes(),
-        "response_ids": b"".join(s.response_ids.astype(ID_DTYPE, copy=False).tobytes() for s in samples),
-        "logprobs": b"".join(s.logprobs.astype(LOGPROB_DTYPE, copy=False).tobytes() for s in samples),
+        # Samples hold little-endian int32 / float32 arrays (records.as_ids): bytes as they are.
+        "prompt_ids": prompt_bytes,
+        "response_ids": b"".join(s.response_ids.tobytes() for s in samples),
+        "logprobs": b"".join(s.logprobs.tobytes() for s in samples),
     }
 
 
@@ -155,6 +196,9 @@ def _decode_group(fields: RawFields) -> Group:
     response_ids = np.frombuffer(fields[b"response_ids"], dtype=ID_DTYPE)
     logprobs = np.frombuffer(fields[b"logprobs"], dtype=LOGPROB_DTYPE)
     shared_prompt = meta["shared_prompt"]
+    if meta.get("prompt_ids_in_samples"):
+        meta["prompt"]["prompt_ids"] = prompt_ids.tolist()
+    pool = _version_pool(meta["samples"])
     samples = []
     r = lp = p = 0
     for item in meta["samples"]:
@@ -164,7 +208,7 @@ def _decode_group(fields: RawFields) -> Group:
         else:
             sample_prompt = prompt_ids[p : p + item["plen"]]
             p += item["plen"]
-        versions = _unruns(item["ver"])
+        versions = _unruns(item["ver"], pool)
         if r + n > len(response_ids) or lp + nlp > len(logprobs) or len(versions) != n:
             raise DecodeError("token arrays are shorter than the sample lengths say", fields)
         samples.append(
@@ -175,7 +219,7 @@ def _decode_group(fields: RawFields) -> Group:
                 response_versions=versions,
                 finish_reason=item["finish"],
                 reward=item["reward"],
-                status=Status(item["status"]),
+                status=item["status"],  # Sample makes it a Status
                 text=item["text"],
             )
         )

@@ -15,6 +15,7 @@ several of them.
     rs:{run}:progress         hash    cumulative counts per task
     rs:{run}:metrics          stream  per-step metrics, capped
     rs:{run}:fed:{task}       set     uids fed by one-shot feeds (idempotence)
+    rs:{run}:fence:{kind}:{task}  counter  bumped when entries of a stream change owner
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ class Keys:
 
     def fed(self, task: str) -> str:
         return f"{self.base}:fed:{validate_name(task, 'task name')}"
+
+    def fence(self, stream: str) -> str:
+        """The counter that a settle of ``stream``'s entries WATCHes: reclaims bump it."""
+        parsed = self.parse_stream(stream)
+        if parsed is None:
+            raise ValueError(f"{stream!r} is not a per-task stream of run {self.run!r}")
+        kind, task = parsed
+        return f"{self.base}:fence:{kind}:{task}"
 
     def eval(self, batch: str) -> str:
         return f"{self.base}:eval:{validate_name(batch, 'batch id')}"

@@ -48,11 +48,15 @@ def group_status(statuses: Iterable[Status]) -> Status:
 
 
 def as_ids(values: Sequence[int] | npt.ArrayLike) -> IdArray:
-    return np.asarray(values, dtype=ID_DTYPE)
+    if type(values) is np.ndarray and values.dtype == ID_DTYPE and values.ndim == 1:
+        return values
+    return np.ascontiguousarray(values, dtype=ID_DTYPE).reshape(-1)
 
 
 def as_logprobs(values: Sequence[float] | npt.ArrayLike) -> FloatArray:
-    return np.asarray(values, dtype=LOGPROB_DTYPE)
+    if type(values) is np.ndarray and values.dtype == LOGPROB_DTYPE and values.ndim == 1:
+        return values
+    return np.ascontiguousarray(values, dtype=LOGPROB_DTYPE).reshape(-1)
 
 
 @dataclass(slots=True)
@@ -120,8 +124,9 @@ class Group:
     """The n responses to one prompt, as one unit of the replay buffer.
 
     ``model_step`` is the oldest policy version in the group: the minimum of
-    all response token versions. A group with no response token yet keeps
-    the step it was given (-1 when none).
+    all response token versions. Left at -1 it is derived from them (and stays
+    -1 while the group has no response token); a value given is kept, which is
+    how a decoded group skips the derivation.
     """
 
     group_id: str
@@ -136,9 +141,9 @@ class Group:
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        steps = [int(s.response_versions.min()) for s in self.samples if len(s.response_versions)]
-        if steps:
-            self.model_step = min(steps)
+        if self.model_step < 0:
+            steps = [int(s.response_versions.min()) for s in self.samples if len(s.response_versions)]
+            self.model_step = min(steps, default=-1)
         self.status = (
             group_status(s.status for s in self.samples) if self.status is None else Status(self.status)
         )

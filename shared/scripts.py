@@ -1,15 +1,19 @@
 """The Lua scripts that make buffer operations atomic.
 
 Redis runs a script alone, but does not roll back one that fails half-way,
-so each script checks everything before its first write. Above all a script
-that settles a claimed entry first checks that the entry is still pending for
+so each script checks everything before its first write. Above all, what
+settles a claimed entry first checks that the entry is still pending for
 *this* consumer: a slow producer whose prompt was reclaimed (and perhaps
 completed) by another one meanwhile writes nothing.
+
+Settling a claim with a group payload is not one script but WATCH, a gate
+script, MULTI ... EXEC, sent as one round trip (see ReplayBuffer._settle):
+Redis's Lua hashes every byte of every string argument it receives, so a
+130 KiB group passed through a script cost Redis ~330 µs of CPU against
+~120 µs for a plain XADD (bench/buffer.py, 2-core machine).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import redis
 from redis.commands.core import Script
@@ -44,25 +48,34 @@ local function check_counter(hash, field)
 end
 """
 
-# KEYS: source stream, destination stream, progress hash
-# ARGV: group, consumer, entry id, progress field ('' = none), n (field/value args), fields...
-# Returns the destination entry id, 'OK' when there is no destination, nil when fenced.
-SETTLE = (
-    _CHECK_COUNTER_FN
-    + """
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
-if #pending == 0 then return false end
-check_counter(KEYS[3], ARGV[4])
-local out = 'OK'
-if tonumber(ARGV[5]) > 0 then
-  out = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
+# KEYS: source stream, destination stream, progress hash, fence counter of the source
+# ARGV: group, consumer, entry id, progress field, '1' when there is a destination
+# The gate of a settle (see ReplayBuffer._settle), run between WATCH fence and MULTI:
+# returns 1 when the entry is still pending for this consumer and the queued writes
+# cannot fail. Otherwise it bumps the fence, which this very client WATCHes, so that
+# the EXEC that follows writes nothing, and returns 0 (fenced) or the error.
+SETTLE_GATE = """
+local function refuse(reply)
+  local bumped = redis.pcall('INCR', KEYS[4])
+  if type(bumped) == 'table' then redis.call('DEL', KEYS[4]) end  -- not a counter: DEL it
+  return reply
 end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
-if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[4], 1) end
-return out
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if pending.err then return refuse(pending) end
+if #pending == 0 then return refuse(0) end
+local count = redis.pcall('HGET', KEYS[3], ARGV[4])
+if type(count) == 'table' and count.err then return refuse(count) end
+if count and not tonumber(count) then
+  return refuse(redis.error_reply('progress field ' .. ARGV[4] .. ' is not a number: ' .. count))
+end
+if ARGV[5] == '1' then
+  local t = redis.call('TYPE', KEYS[2]).ok
+  if t ~= 'stream' and t ~= 'none' then
+    return refuse(redis.error_reply(KEYS[2] .. ' holds a ' .. t .. ', not a stream'))
+  end
+end
+return 1
 """
-)
 
 # KEYS: stream, progress hash
 # ARGV: group, consumer, progress field ('' = none), ids...
@@ -85,9 +98,10 @@ return foreign
 """
 )
 
-# KEYS: stream, dead stream, progress hash
+# KEYS: stream, dead stream, progress hash, fence counter of the stream
 # ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field
-# Takes over entries idle longer than min idle from *other* consumers; those delivered
+# Takes over entries idle longer than min idle from *other* consumers, and bumps the
+# fence counter when it does, which aborts any settle of theirs in flight (WATCH); those delivered
 # more than max attempts times, and those deleted while pending, become dead letters.
 # Returns {next start id ('0-0' when done), {{id, fields, deliveries}...}}.
 #
@@ -103,10 +117,14 @@ check_counter(KEYS[3], ARGV[7])
 local count = tonumber(ARGV[5])
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', count)
 local max_attempts = tonumber(ARGV[6])
-local out, dead = {}, 0
+local out, dead, fenced = {}, 0, false
 for _, p in ipairs(pending) do
   local id, owner, deliveries = p[1], p[2], p[4] + 1
   if owner ~= ARGV[2] then
+    if not fenced then
+      redis.call('INCR', KEYS[4])
+      fenced = true
+    end
     local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], id)
     local entry = claimed[1]
     if not entry or not entry[2] then
@@ -201,17 +219,8 @@ class Scripts:
     """The scripts registered on one client (EVALSHA, reloaded after a server restart)."""
 
     def __init__(self, client: redis.Redis) -> None:
-        self.settle: Script = client.register_script(SETTLE)
         self.commit: Script = client.register_script(COMMIT)
         self.reclaim: Script = client.register_script(RECLAIM)
         self.touch: Script = client.register_script(TOUCH)
         self.feed: Script = client.register_script(FEED)
         self.feed_at_cursor: Script = client.register_script(FEED_AT_CURSOR)
-
-
-def flatten(fields: dict[str, Any]) -> list[Any]:
-    out: list[Any] = []
-    for name, value in fields.items():
-        out.append(name)
-        out.append(value)
-    return out

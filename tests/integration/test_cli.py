@@ -136,7 +136,10 @@ def test_feeder_process_stops_on_sigterm_and_resumes_where_it_stopped(
 
 def test_demo_round_trips_through_an_embedded_redis() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "cli.main", "demo", "--prompts", "8"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "cli.main", "demo", "--prompts", "8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     assert "8 added" in result.stdout and "8 already there" in result.stdout

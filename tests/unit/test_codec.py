@@ -203,3 +203,21 @@ def test_nan_logprobs_compare_equal_after_round_trip() -> None:
     group = make_group(1, 4)
     group.samples[0].logprobs[1] = math.nan
     assert codec.decode_group(through_redis_reply(codec.encode_group(group))) == group
+
+
+def test_prompt_token_ids_shared_with_the_samples_are_stored_once() -> None:
+    group = make_group()
+    group.prompt.prompt_ids = list(range(16))  # the samples' prompt ids, as a tokenizer gives them
+    fields = codec.encode_group(group)
+    assert "prompt_ids" not in orjson.loads(fields["meta"])["prompt"]  # type: ignore[arg-type]
+    decoded = codec.decode_group(through_redis_reply(fields))
+    assert decoded == group
+    assert decoded.prompt.prompt_ids == list(range(16))
+
+
+def test_decoded_versions_are_read_only_views() -> None:
+    decoded = codec.decode_group(through_redis_reply(codec.encode_group(make_group(2, 8))))
+    versions = decoded.samples[0].response_versions
+    assert not versions.flags.writeable
+    with pytest.raises(ValueError):
+        versions[0] = 9
