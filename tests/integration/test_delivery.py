@@ -312,3 +312,28 @@ def test_own_idle_claims_are_not_taken_back(make) -> None:  # type: ignore[no-un
     more = producer.claim("math", 5)
     assert [c.prompt.uid for c in more] == ["u2"]
     assert [c.prompt.uid for c in held] == ["u0", "u1"]
+
+
+def test_settle_retries_when_a_reclaim_lands_between_gate_and_exec(make) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p")
+    producer.feed(prompts("math", 1))
+    (claim,) = producer.claim("math", 1)
+    fence = producer.keys.fence(claim.entry.stream)
+    sent: list[list[tuple]] = []  # type: ignore[type-arg]
+    real_round_trip = producer._round_trip
+
+    def racing_round_trip(commands: list[tuple]) -> list:  # type: ignore[type-arg]
+        sent.append(commands)
+        if len(sent) == 1:  # a reclaim's fence bump, right after the gate said yes
+            commands = [*commands[:2], ("INCR", fence), *commands[2:]]
+            replies = real_round_trip(commands)
+            return [*replies[:2], *replies[3:]]
+        return real_round_trip(commands)
+
+    producer._round_trip = racing_round_trip
+    entry_id = producer.complete(claim, group_for(claim.prompt))
+
+    assert entry_id is not None
+    assert len(sent) == 2  # the first EXEC was aborted, the second went through
+    assert producer.client.xlen(producer.keys.groups("math")) == 1
+    assert producer.client.hget(producer.keys.progress, "math:completed") == b"1"
