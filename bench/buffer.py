@@ -43,23 +43,19 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import redis
+from workload import PROMPT_TOKENS, RESPONSE_TOKENS, SAMPLES, build_samples
 
 from shared import codec
 from shared.buffer import ReplayBuffer
 from shared.connection import connect
 from shared.embedded import EmbeddedRedis
-from shared.records import Group, Prompt, Sample
+from shared.records import Group, Prompt
 from shared.settings import Settings, load_settings
 
 TASK = "bench"
 BATCH = 64
 BLOCK_MS = 100
-SAMPLES = 8
-RESPONSE_TOKENS = 2_048
-PROMPT_TOKENS = 512
-VOCAB = 151_936
 RAW_STREAM = "raw:groups"
 RAW_GROUP = "trainer"
 TARGET_RATIO = 0.8
@@ -72,7 +68,7 @@ RUN_TIMEOUT_S = 600
 def main() -> None:
     args = parse_args()
     ways = ["raw", "ours"] + (["raw-ack"] if args.ack_only else [])
-    fields = codec.encode_group(Group.for_prompt(bench_prompt(0), samples=build_samples()))
+    fields = codec.encode_group(Group.for_prompt(bench_prompt(0), samples=build_samples(score=1.0)))
     payload = payload_bytes(fields)
 
     with EmbeddedRedis() as server:
@@ -204,7 +200,7 @@ def child(
 def ours_producer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
     settings = bench_settings(url)
     buffer = ReplayBuffer(connect(settings.redis), settings, "producer-0")
-    samples = build_samples()
+    samples = build_samples(score=1.0)
     buffer.ensure(TASK)
 
     def loop() -> int:
@@ -308,7 +304,7 @@ def memory_per_group(
         buffer = ReplayBuffer(client, settings, "producer-mem")
         claims = buffer.claim(TASK, k)
         assert len(claims) == k
-        samples = build_samples()
+        samples = build_samples(score=1.0)
         before = used_memory(client)
         for claim in claims:
             buffer.complete(claim, Group.for_prompt(claim.prompt, samples=samples))
@@ -336,25 +332,6 @@ def redis_cpu_s(client: redis.Redis) -> float:
 
 
 # --- the data ------------------------------------------------------------------------
-
-
-def build_samples(seed: int = 0) -> list[Sample]:
-    rng = np.random.default_rng(seed)
-    prompt_ids = rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int32)
-    sync_at = RESPONSE_TOKENS // 3  # a weight sync part-way: two runs of versions
-    return [
-        Sample(
-            prompt_ids=prompt_ids,
-            response_ids=rng.integers(0, VOCAB, RESPONSE_TOKENS, dtype=np.int32),
-            logprobs=-rng.exponential(1.0, RESPONSE_TOKENS).astype(np.float32),
-            response_versions=np.repeat(
-                np.array([6, 7], dtype=np.int32), [sync_at, RESPONSE_TOKENS - sync_at]
-            ),
-            finish_reason="stop",
-            reward={"score": 1.0},
-        )
-        for _ in range(SAMPLES)
-    ]
 
 
 def bench_prompt(i: int) -> Prompt:

@@ -31,21 +31,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import redis
+from workload import PROMPT_TOKENS, RESPONSE_TOKENS, SAMPLES, build_group
 
 from shared import codec
 from shared.connection import connect
 from shared.embedded import EmbeddedRedis
-from shared.records import Group, Prompt, Sample, Status
+from shared.records import Group, Sample, Status
 from shared.settings import load_settings
 
-SAMPLES = 8
-RESPONSE_TOKENS = 2_048
-PROMPT_TOKENS = 512
-VOCAB = 151_936
-SYNC_AT = RESPONSE_TOKENS // 3  # a weight sync part-way: two runs of versions
 RESULTS = Path(__file__).resolve().parent / "results" / "codec.json"
 
 Encoded = dict[str, Any]
@@ -173,26 +168,6 @@ def write_json(result: dict[str, Any]) -> None:
 
 
 # --- the data ------------------------------------------------------------------------
-
-
-def build_group(seed: int) -> Group:
-    rng = np.random.default_rng(seed)
-    prompt_ids = rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int32)
-    samples = [
-        Sample(
-            prompt_ids=prompt_ids,
-            response_ids=rng.integers(0, VOCAB, RESPONSE_TOKENS, dtype=np.int32),
-            logprobs=-rng.exponential(1.0, RESPONSE_TOKENS).astype(np.float32),
-            response_versions=np.repeat(
-                np.array([6, 7], dtype=np.int32), [SYNC_AT, RESPONSE_TOKENS - SYNC_AT]
-            ),
-            finish_reason="stop",
-            reward={"score": float(rng.integers(0, 2))},
-        )
-        for _ in range(SAMPLES)
-    ]
-    prompt = Prompt(uid=f"p{seed}", task="bench", prompt="Solve: what is 17 * 23? Think step by step.")
-    return Group.for_prompt(prompt, samples=samples, producer="bench-0")
 
 
 def group_as_lists(group: Group) -> dict[str, Any]:
