@@ -2,8 +2,8 @@
 
 Producers claim work from three pools of one task — aborted, expired (when
 asked), fresh prompts — through the consumer group "producers", and settle
-each claim with one script: complete (group appended to the groups stream),
-abort (back to the aborted pool), or drop (filtered). The trainer reads the
+each claim in one fenced step (shared/streams.py): complete (group appended to
+the groups stream), abort (back to the aborted pool), or drop (filtered). The trainer reads the
 groups stream through the consumer group "trainer" and commits (acks and
 deletes) a batch only after its optimizer step, or expires a group into the
 expired pool. Every settle is fenced: it writes only while the entry is
@@ -28,38 +28,16 @@ from shared import codec
 from shared.errors import DecodeError, FeederError, ReplayBufferError
 from shared.keys import GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, feeder_field, progress_field
 from shared.records import Group, Prompt, Sample, Status
-from shared.scripts import SETTLE_GATE, Scripts
+from shared.scripts import Scripts
 from shared.settings import Settings
+from shared.streams import ConsumerStreams, Entry, text
 
 FEED_CHUNK = 500
 RECOVERED = "done"
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _flat(fields: dict[str, Any]) -> list[Any]:
-    out: list[Any] = []
-    for name, value in fields.items():
-        out += (name, value)
-    return out
-
-
 def default_consumer_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass(slots=True)
-class Entry:
-    """One stream entry as read through a consumer group."""
-
-    stream: str
-    kind: str
-    task: str
-    id: str
-    fields: codec.RawFields
-    deliveries: int = 1
 
 
 @dataclass(slots=True)
@@ -128,26 +106,20 @@ class ReplayBuffer:
         self.keys = Keys(settings.run)
         self.consumer = consumer or default_consumer_name("worker")
         self.scripts = Scripts(client)
-        self._ensured: set[str] = set()
+        self.streams = ConsumerStreams(client, self.keys, self.consumer)
         self._recover_from: dict[str, str] = {}  # task -> last own pending id re-read
         self._last_reclaim: dict[str, float] = {}
 
     # --- streams and groups ----------------------------------------------------------
 
     def ensure(self, task: str) -> None:
-        """Create the task's streams and consumer groups (id 0: earlier entries count)."""
-        if task in self._ensured:
-            return
-        for kind, group in GROUP_OF_KIND.items():
-            try:
-                self.client.xgroup_create(self.keys.stream(kind, task), group, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-        self._ensured.add(task)
+        """Create the task's streams and consumer groups."""
+        self.streams.ensure(task)
 
-    def _progress(self, task: str, counter: str) -> str:
-        return progress_field(task, counter)
+    def _settle(
+        self, entry: Entry, dest: str | None, fields: dict[str, Any] | None, counter: str
+    ) -> str | None:
+        return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter))
 
     # --- feeding ---------------------------------------------------------------------
 
@@ -161,7 +133,7 @@ class ReplayBuffer:
             self.ensure(task)
             for start in range(0, len(items), FEED_CHUNK):
                 chunk = items[start : start + FEED_CHUNK]
-                args: list[Any] = [self._progress(task, "fed")]
+                args: list[Any] = [progress_field(task, "fed")]
                 for p in chunk:
                     fields = codec.encode_prompt(p)
                     args += [fields["uid"], fields["task"], fields["data"]]
@@ -175,7 +147,7 @@ class ReplayBuffer:
         """Append prompts and move the task's feeder cursor from ``expected`` to ``new``
         in one step; FeederError, with nothing written, when the cursor is elsewhere."""
         self.ensure(task)
-        args: list[Any] = [feeder_field(task, "cursor"), expected, new, self._progress(task, "fed")]
+        args: list[Any] = [feeder_field(task, "cursor"), expected, new, progress_field(task, "fed")]
         for p in prompts:
             fields = codec.encode_prompt(p)
             args += [fields["uid"], fields["task"], fields["data"]]
@@ -192,7 +164,7 @@ class ReplayBuffer:
 
     def feeder_cursor(self, task: str) -> str:
         value = self.client.hget(self.keys.state, feeder_field(task, "cursor"))
-        return "" if value is None else _text(value)
+        return "" if value is None else text(value)
 
     def unclaimed(self, task: str) -> int:
         """Fresh prompts not yet delivered to any producer (acked entries are deleted)."""
@@ -222,10 +194,10 @@ class ReplayBuffer:
                 claims += self._claims(self.reclaim(kind, task, count - len(claims)))
         for kind in kinds:
             if len(claims) < count:
-                claims += self._claims(self._read(PRODUCERS, [kind], task, count - len(claims)))
+                claims += self._claims(self.streams.read([kind], task, count - len(claims)))
         if not claims and block_ms > 0:
             # Wake on whichever pool gets work first, take one, then fill up in pool order.
-            claims = self._claims(self._read(PRODUCERS, kinds, task, 1, block_ms=block_ms))
+            claims = self._claims(self.streams.read(kinds, task, 1, block_ms=block_ms))
             if claims:
                 claims += self.claim(task, count - 1, include_expired=include_expired)
         return claims
@@ -279,12 +251,14 @@ class ReplayBuffer:
         restart), then groups idle in a dead trainer consumer, then new ones."""
         self.ensure(task)
         entries: list[Entry] = []
+        if count <= 0:
+            return Batch(task)
         if self._recover_from.get(task) != RECOVERED:
             entries += self._own_pending(task, count)
         if len(entries) < count:
             entries += self.reclaim("groups", task, count - len(entries))
         if len(entries) < count:
-            entries += self._read(TRAINER, ["groups"], task, count - len(entries), block_ms=block_ms)
+            entries += self.streams.read(["groups"], task, count - len(entries), block_ms=block_ms)
         batch = Batch(task)
         for entry in entries:
             try:
@@ -300,9 +274,9 @@ class ReplayBuffer:
             return []
         ids = [item.entry.id for item in batch.items]
         keys = [self.keys.groups(batch.task), self.keys.progress]
-        args = [TRAINER, self.consumer, self._progress(batch.task, "consumed"), *ids]
+        args = [TRAINER, self.consumer, progress_field(batch.task, "consumed"), *ids]
         foreign = self.scripts.commit(keys=keys, args=args)
-        return [_text(i) for i in foreign]
+        return [text(i) for i in foreign]
 
     def expire(self, item: BatchItem, keep: Sequence[Sample] = ()) -> str | None:
         """Move a too-stale group to the expired pool as its prompt (plus ``keep``), and
@@ -348,13 +322,13 @@ class ReplayBuffer:
             keys = [stream, self.keys.dead, self.keys.progress, self.keys.fence(stream)]
             args: list[Any] = [
                 GROUP_OF_KIND[kind], self.consumer, idle_ms, start, count - len(out),
-                self.settings.buffer.max_attempts, self._progress(task, "dead"),
+                self.settings.buffer.max_attempts, progress_field(task, "dead"),
             ]  # fmt: skip
             cursor, claimed = self.scripts.reclaim(keys=keys, args=args)
             for entry_id, flat, deliveries in claimed:
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                out.append(Entry(stream, kind, task, _text(entry_id), fields, int(deliveries)))
-            start = _text(cursor)
+                out.append(Entry(stream, kind, task, text(entry_id), fields, int(deliveries)))
+            start = text(cursor)
             if start == "0-0":
                 break
         return out
@@ -369,7 +343,7 @@ class ReplayBuffer:
         lost: list[str] = []
         for (stream, kind), ids in by_stream.items():
             reply = self.scripts.touch(keys=[stream], args=[GROUP_OF_KIND[kind], self.consumer, *ids])
-            lost += [_text(i) for i in reply]
+            lost += [text(i) for i in reply]
         return lost
 
     def dead_letter(self, entry: Entry, reason: str) -> bool:
@@ -388,81 +362,10 @@ class ReplayBuffer:
 
     # --- mechanics -------------------------------------------------------------------
 
-    def _settle(
-        self, entry: Entry, dest: str | None, fields: dict[str, Any] | None, counter: str
-    ) -> str | None:
-        """Ack + delete a held entry, first appending ``fields`` to ``dest`` if given, as
-        one MULTI/EXEC; None, with nothing written, when the entry is no longer ours.
-
-        A group's payload never passes through Lua (see shared/scripts.py), and it all
-        goes in one round trip: WATCH the stream's fence counter, run the gate script,
-        then MULTI, the writes, EXEC. Only a reclaim moves an entry to another owner and
-        every reclaim bumps the fence, so an EXEC that runs saw no owner change since
-        the gate checked. A gate that refuses bumps the fence itself, which aborts this
-        client's own EXEC. A reclaim between gate and EXEC aborts it too: check again.
-        """
-        group = GROUP_OF_KIND[entry.kind]
-        fence = self.keys.fence(entry.stream)
-        progress_name = self._progress(entry.task, counter)
-        gate = (
-            "EVAL", SETTLE_GATE, 4, entry.stream, dest or entry.stream, self.keys.progress, fence,
-            group, self.consumer, entry.id, progress_name, "1" if dest else "0",
-        )  # fmt: skip
-        writes: list[tuple[Any, ...]] = []
-        if dest:
-            writes.append(("XADD", dest, "*", *_flat(fields or {})))
-        writes += [
-            ("XACK", entry.stream, group, entry.id),
-            ("XDEL", entry.stream, entry.id),
-            ("HINCRBY", self.keys.progress, progress_name, 1),
-        ]
-        while True:
-            replies = self._round_trip([("WATCH", fence), gate, ("MULTI",), *writes, ("EXEC",)])
-            verdict, done = replies[1], replies[-1]
-            if isinstance(verdict, Exception):
-                raise verdict
-            if verdict == 0:
-                if done is not None:  # pragma: no cover - only if WATCH were not honoured
-                    raise ReplayBufferError(f"settle of {entry.id} ran although its gate refused")
-                return None
-            if done is None:
-                continue  # a reclaim of this stream came between gate and EXEC
-            for reply in done:
-                if isinstance(reply, Exception):
-                    raise reply
-            return _text(done[0]) if dest else "OK"
-
-    def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Send commands in one packet on one connection and read every reply; error
-        replies come back as exceptions in place."""
-        pool = self.client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(conn.pack_commands(commands))  # type: ignore[no-untyped-call]
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(conn.read_response())
-                except redis.ResponseError as exc:
-                    replies.append(exc)
-            return replies
-        except BaseException:
-            # a half-read connection, or one with a WATCH pending, must not be reused
-            conn.disconnect()  # type: ignore[no-untyped-call]
-            raise
-        finally:
-            pool.release(conn)
-
-    def _read(self, group: str, kinds: list[str], task: str, count: int, *, block_ms: int = 0) -> list[Entry]:
-        streams: dict[Any, Any] = {self.keys.stream(kind, task): ">" for kind in kinds}
-        reply = self._xreadgroup(group, streams, count, block_ms or None)
-        return self._entries(reply, task)
-
     def _own_pending(self, task: str, count: int) -> list[Entry]:
         stream = self.keys.groups(task)
         start = self._recover_from.get(task, "0")
-        reply = self._xreadgroup(TRAINER, {stream: start}, count, None)
-        read = self._entries(reply, task, deliveries=0)
+        read = self.streams.read(["groups"], task, count, start=start)
         self._recover_from[task] = read[-1].id if len(read) == count else RECOVERED
         entries = []
         for entry in read:
@@ -477,7 +380,7 @@ class ReplayBuffer:
                 stream, TRAINER, min=entries[0].id, max=entries[-1].id, count=len(entries),
                 consumername=self.consumer,
             )  # fmt: skip
-            counts = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+            counts = {text(p["message_id"]): int(p["times_delivered"]) for p in pending}
             max_attempts = self.settings.buffer.max_attempts
             kept = []
             for entry in entries:
@@ -491,27 +394,3 @@ class ReplayBuffer:
                     kept.append(entry)
             entries = kept
         return entries
-
-    def _xreadgroup(self, group: str, streams: dict[Any, Any], count: int, block_ms: int | None) -> Any:
-        try:
-            return self.client.xreadgroup(group, self.consumer, streams, count=count, block=block_ms)
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            # The streams were deleted under us (FLUSHALL, DEL): create them again once.
-            self._ensured.clear()
-            for stream in streams:
-                parsed = self.keys.parse_stream(stream)
-                if parsed:
-                    self.ensure(parsed[1])
-            return self.client.xreadgroup(group, self.consumer, streams, count=count, block=block_ms)
-
-    def _entries(self, reply: Any, task: str, deliveries: int = 1) -> list[Entry]:
-        out = []
-        for stream_name, items in reply or []:
-            stream = _text(stream_name)
-            parsed = self.keys.parse_stream(stream)
-            kind = parsed[0] if parsed else "prompts"
-            for entry_id, fields in items:
-                out.append(Entry(stream, kind, task, _text(entry_id), fields or {}, deliveries))
-        return out

@@ -320,7 +320,7 @@ def test_settle_retries_when_a_reclaim_lands_between_gate_and_exec(make) -> None
     (claim,) = producer.claim("math", 1)
     fence = producer.keys.fence(claim.entry.stream)
     sent: list[list[tuple]] = []  # type: ignore[type-arg]
-    real_round_trip = producer._round_trip
+    real_round_trip = producer.streams.round_trip
 
     def racing_round_trip(commands: list[tuple]) -> list:  # type: ignore[type-arg]
         sent.append(commands)
@@ -330,7 +330,7 @@ def test_settle_retries_when_a_reclaim_lands_between_gate_and_exec(make) -> None
             return [*replies[:2], *replies[3:]]
         return real_round_trip(commands)
 
-    producer._round_trip = racing_round_trip
+    producer.streams.round_trip = racing_round_trip  # type: ignore[method-assign]
     entry_id = producer.complete(claim, group_for(claim.prompt))
 
     assert entry_id is not None

@@ -1,0 +1,166 @@
+"""Consumer-group mechanics under the replay buffer: creating streams and groups,
+reading entries, and the fenced settle that ends an entry's time as pending.
+
+A settle acks and deletes an entry this consumer holds, first appending a new
+entry (a group, a pool entry, a dead letter) somewhere else, and writes
+nothing when the entry is no longer this consumer's. It is one round trip:
+
+    WATCH fence      the source stream's fence counter: every reclaim bumps it
+    EVAL gate        still pending for me, and the writes below cannot fail?
+                     if not, the gate bumps the fence itself (see scripts.py)
+    MULTI
+    XADD dest ...    the payload, never passed through Lua
+    XACK / XDEL      the source entry
+    HINCRBY          the progress counter
+    EXEC             runs only if the fence did not move since WATCH
+
+Only a reclaim moves an entry to another owner, so an EXEC that runs saw no
+change of owner since its gate checked; a reclaim between gate and EXEC
+aborts it, and the settle checks again. One claim is settled by one thread:
+two concurrent settles of the same entry by the same consumer are not fenced
+against each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from shared import codec
+from shared.errors import ReplayBufferError
+from shared.keys import GROUP_OF_KIND, Keys
+from shared.scripts import SETTLE_GATE
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(slots=True)
+class Entry:
+    """One stream entry as read through a consumer group."""
+
+    stream: str
+    kind: str
+    task: str
+    id: str
+    fields: codec.RawFields
+    deliveries: int = 1
+
+
+class ConsumerStreams:
+    """The streams of one run, seen by one consumer name."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, consumer: str) -> None:
+        self.client = client
+        self.keys = keys
+        self.consumer = consumer
+        self._ensured: set[str] = set()
+
+    def ensure(self, task: str) -> None:
+        """Create the task's streams and consumer groups (id 0: earlier entries count)."""
+        if task in self._ensured:
+            return
+        for kind, group in GROUP_OF_KIND.items():
+            try:
+                self.client.xgroup_create(self.keys.stream(kind, task), group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._ensured.add(task)
+
+    def read(
+        self, kinds: Sequence[str], task: str, count: int, *, block_ms: int = 0, start: str = ">"
+    ) -> list[Entry]:
+        """XREADGROUP from the task's streams of ``kinds`` (one consumer group between
+        them): new entries with ``start`` ">", this consumer's own pending ones after
+        ``start`` otherwise (then ``deliveries`` is left 0: the caller looks it up)."""
+        streams: dict[Any, Any] = {self.keys.stream(kind, task): start for kind in kinds}
+        groups = {GROUP_OF_KIND[kind] for kind in kinds}
+        if len(groups) != 1:
+            raise ValueError(f"stream kinds {kinds} are not read by one consumer group")
+        group = groups.pop()
+        try:
+            reply = self._xreadgroup(group, streams, count, block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The streams were deleted under us (FLUSHALL, DEL): create them again, once.
+            self._ensured.discard(task)
+            self.ensure(task)
+            reply = self._xreadgroup(group, streams, count, block_ms)
+        deliveries = 1 if start == ">" else 0
+        out = []
+        for stream_name, items in reply or []:
+            stream = text(stream_name)
+            parsed = self.keys.parse_stream(stream)
+            kind = parsed[0] if parsed else "prompts"
+            for entry_id, fields in items:
+                out.append(Entry(stream, kind, task, text(entry_id), fields or {}, deliveries))
+        return out
+
+    def _xreadgroup(self, group: str, streams: dict[Any, Any], count: int, block_ms: int) -> Any:
+        return self.client.xreadgroup(group, self.consumer, streams, count=count, block=block_ms or None)
+
+    def settle(
+        self, entry: Entry, dest: str | None, fields: dict[str, Any] | None, progress_field: str
+    ) -> str | None:
+        """Ack + delete a held entry, first appending ``fields`` to ``dest`` if given;
+        count it in ``progress_field``. Returns the new entry's id ("OK" without a
+        destination), or None, with nothing written, when the entry is not ours."""
+        group = GROUP_OF_KIND[entry.kind]
+        fence = self.keys.fence(entry.stream)
+        gate = (
+            "EVAL", SETTLE_GATE, 4, entry.stream, dest or entry.stream, self.keys.progress, fence,
+            group, self.consumer, entry.id, progress_field, "1" if dest else "0",
+        )  # fmt: skip
+        writes: list[tuple[Any, ...]] = []
+        if dest:
+            flat: list[Any] = []
+            for name, value in (fields or {}).items():
+                flat += (name, value)
+            writes.append(("XADD", dest, "*", *flat))
+        writes += [
+            ("XACK", entry.stream, group, entry.id),
+            ("XDEL", entry.stream, entry.id),
+            ("HINCRBY", self.keys.progress, progress_field, 1),
+        ]
+        while True:
+            replies = self.round_trip([("WATCH", fence), gate, ("MULTI",), *writes, ("EXEC",)])
+            verdict, done = replies[1], replies[-1]
+            if isinstance(verdict, Exception):
+                raise verdict
+            if verdict == 0:
+                if done is not None:  # pragma: no cover - only if WATCH were not honoured
+                    raise ReplayBufferError(f"settle of {entry.id} ran although its gate refused")
+                return None
+            if done is None:
+                continue  # a reclaim of this stream came between gate and EXEC
+            for reply in done:
+                if isinstance(reply, Exception):
+                    raise reply
+            return text(done[0]) if dest else "OK"
+
+    def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send commands in one packet on one connection and read every reply; error
+        replies come back as exceptions in place."""
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))  # type: ignore[no-untyped-call]
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            # a half-read connection, or one with a WATCH pending, must not be reused
+            conn.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(conn)
