@@ -80,7 +80,7 @@ def make_settings(run_name: str) -> SettingsFactory:
             "run": run_name,
             "redis": {"url": url},
             "tasks": [{"name": "math", "n": 4}, {"name": "code", "n": 2}],
-            "buffer": {"claim_idle_ms": 100, "max_attempts": 3, "block_ms": 100},
+            "buffer": {"claim_idle_ms": 1000, "max_attempts": 3, "block_ms": 100},
         }
         base.update(overrides)
         return load_settings(**base)

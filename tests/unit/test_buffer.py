@@ -146,15 +146,15 @@ def test_discard_acks_without_requeue(fake_buffer: BufferFactory) -> None:
 
 
 def test_reclaim_after_idle_and_dead_letter_after_max_attempts(fake_buffer: BufferFactory) -> None:
-    a = fake_buffer("p1", buffer={"claim_idle_ms": 20, "max_attempts": 2})
-    b = fake_buffer("p2", buffer={"claim_idle_ms": 20, "max_attempts": 2})
+    knobs = {"claim_idle_ms": 300, "max_attempts": 2}
+    a, b = fake_buffer("p1", buffer=knobs), fake_buffer("p2", buffer=knobs)
     a.feed(prompts("math", 1))
     assert [c.entry.deliveries for c in a.claim("math", 1)] == [1]
     assert b.claim("math", 1) == []  # not idle yet
-    time.sleep(0.05)
+    time.sleep(0.45)
     (again,) = b.claim("math", 1)
     assert (again.prompt.uid, again.entry.deliveries) == ("u0", 2)
-    time.sleep(0.05)
+    time.sleep(0.45)
     assert a.claim("math", 1) == []  # third delivery would pass max_attempts
     ((_, dead),) = a.client.xrange(a.keys.dead)
     assert dead[b"attempts"] == b"3"
