@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -91,6 +91,43 @@ class BufferSettings(BaseModel):
     block_ms: int = Field(default=1_000, ge=0, description="longest wait of one blocking read")
 
 
+class SimEngineSettings(BaseModel):
+    """The simulated engine: a continuous-batching GPU server's timing, without a GPU."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capacity_tps: float = Field(default=4_000.0, gt=0, description="aggregate decode tokens/s (T)")
+    speed_tps: float = Field(default=1_000.0, gt=0, description="decode tokens/s of one sequence (v)")
+    prefill_tps: float = Field(default=200_000.0, gt=0, description="prompt tokens/s of prefill")
+    max_concurrency: int = Field(default=256, ge=1, description="KV-cache slots; more requests queue")
+    median_tokens: float = Field(default=512.0, gt=0, description="median response length")
+    sigma: float = Field(default=1.0, ge=0, description="lognormal sigma of response lengths")
+    vocab_size: int = Field(default=32_000, ge=2)
+    time_compression: float = Field(default=1.0, gt=0, description="simulated seconds per real second")
+    failure_rate: float = Field(default=0.0, ge=0, le=1, description="share of requests that fail")
+    seed: int = 0
+
+
+class HFEngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(default="", description="directory of a Hugging Face model (config, safetensors)")
+    device: str = Field(default="cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["sim", "hf"] = "sim"
+    count: int = Field(default=1, ge=1, le=4096, description="engine actors to start")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per engine actor")
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs per engine actor")
+    max_restarts: int = Field(default=3, ge=-1, description="restarts of a dead actor (-1: forever)")
+    sim: SimEngineSettings = Field(default_factory=SimEngineSettings)
+    hf: HFEngineSettings = Field(default_factory=HFEngineSettings)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -103,6 +140,7 @@ class Settings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings)
     tasks: list[TaskSettings] = Field(default_factory=lambda: [TaskSettings(name="default")])
     buffer: BufferSettings = Field(default_factory=BufferSettings)
+    engines: EngineSettings = Field(default_factory=EngineSettings)
 
     @model_validator(mode="after")
     def _unique_tasks(self) -> Settings:
