@@ -1,0 +1,252 @@
+"""The simulated engine: the timing of a continuous-batching GPU server, without one.
+
+What makes RL rollout hard on GPUs is the long tail: one sequence cannot use
+the whole engine. The model here: an aggregate decode capacity of T tokens/s,
+a per-sequence speed cap v; each decoding request advances at min(v, T / k)
+with k requests decoding, so a few long stragglers leave the engine mostly
+idle (busy = min(k v, T) / T). Prefill takes prompt tokens / prefill_tps and
+holds a KV-cache slot; beyond max_concurrency slots requests queue. Response
+lengths come from a seeded lognormal (median, sigma), capped by max_tokens.
+
+Time is simulated exactly between events (a prefill ending, a request
+finishing, an arrival, an abort, a pause, a weight update) and runs
+``time_compression`` times faster than the wall clock. Token ids and
+logprobs are deterministic for (seed, prompt, sample index); each token is
+stamped with the model step the engine held when that token was produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from producer.engines.base import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineError,
+    EngineHealth,
+    Generation,
+    SamplingParams,
+)
+from shared.settings import SimEngineSettings
+
+_EPS = 1e-9
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    group: str
+    target: int  # tokens it will produce unless aborted
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    prefill_left: float  # simulated seconds of prefill still to run
+    fails: bool
+    future: asyncio.Future[Generation]
+    produced: float = 0.0
+    runs: list[tuple[int, int]] = field(default_factory=list)  # (first token index, model step)
+
+    def result(self, finish_reason: str) -> Generation:
+        count = min(self.target, int(self.produced + _EPS))
+        versions = np.empty(count, dtype=np.int32)
+        for i, (start, step) in enumerate(self.runs):
+            end = self.runs[i + 1][0] if i + 1 < len(self.runs) else count
+            versions[min(start, count) : min(end, count)] = step
+        return Generation(self.token_ids[:count], self.logprobs[:count], versions, finish_reason)
+
+
+class SimEngine:
+    def __init__(self, settings: SimEngineSettings, model_step: int = 0) -> None:
+        self.settings = settings
+        self.model_step = model_step
+        self.paused = False
+        self._queued: list[_Request] = []
+        self._running: list[_Request] = []
+        self._groups: dict[str, list[_Request]] = {}
+        self._t0 = time.monotonic()
+        self._last = 0.0  # simulated time of the last advance
+        self._used = 0.0  # decode tokens produced since the last health() (busy numerator)
+        self._window_start = 0.0
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._failures = np.random.default_rng([settings.seed, 0xFA11])
+
+    # --- the protocol ----------------------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+    ) -> list[Generation]:
+        self._ensure_loop()
+        group = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        prefill = len(prompt_ids) / self.settings.prefill_tps
+        requests = [self._request(group, prompt_ids, params, i, prefill, loop) for i in range(n)]
+        self._advance()
+        self._groups[group] = requests
+        self._queued.extend(requests)
+        self._poke()
+        try:
+            return list(await asyncio.gather(*(r.future for r in requests)))
+        finally:
+            self._groups.pop(group, None)
+
+    async def abort(self, request_ids: list[str] | None = None) -> int:
+        self._advance()
+        groups = list(self._groups) if request_ids is None else [g for g in request_ids if g in self._groups]
+        for group in groups:
+            for request in self._groups[group]:
+                self._finish(request, FINISH_ABORT)
+        self._poke()
+        return len(groups)
+
+    async def pause(self) -> None:
+        self._advance()
+        self.paused = True
+
+    async def resume(self) -> None:
+        self._advance()
+        self.paused = False
+        self._poke()
+
+    async def update_weights(self, model_step: int, path: str | None = None) -> None:
+        self._advance()
+        self.model_step = model_step
+        for request in self._running + self._queued:
+            request.runs.append((int(request.produced + _EPS), model_step))
+
+    async def health(self) -> EngineHealth:
+        self._advance()
+        window = self._last - self._window_start
+        busy = self._used / (self.settings.capacity_tps * window) if window > 0 else self._busy_now()
+        self._used, self._window_start = 0.0, self._last
+        return EngineHealth(
+            healthy=True,
+            model_step=self.model_step,
+            paused=self.paused,
+            outstanding=len(self._running) + len(self._queued),
+            running=len(self._running),
+            queued=len(self._queued),
+            busy_fraction=min(1.0, busy),
+        )
+
+    # --- the model -------------------------------------------------------------------
+
+    def _request(
+        self,
+        group: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        index: int,
+        prefill: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> _Request:
+        s = self.settings
+        prompt_key = zlib.crc32(np.asarray(prompt_ids, dtype=np.int32).tobytes())
+        rng = np.random.default_rng([s.seed, prompt_key, index, params.seed or 0])
+        natural = max(1, round(rng.lognormal(math.log(s.median_tokens), s.sigma)))
+        target = params.max_tokens if params.ignore_eos else min(natural, params.max_tokens)
+        finish = FINISH_STOP if not params.ignore_eos and natural < params.max_tokens else FINISH_LENGTH
+        return _Request(
+            group=group,
+            target=target,
+            token_ids=rng.integers(0, s.vocab_size, target, dtype=np.int32),
+            logprobs=(-rng.exponential(0.7, target)).astype(np.float32),
+            finish_reason=finish,
+            prefill_left=prefill,
+            fails=bool(self._failures.random() < s.failure_rate),
+            future=loop.create_future(),
+            runs=[(0, self.model_step)],
+        )
+
+    def _now(self) -> float:
+        return (time.monotonic() - self._t0) * self.settings.time_compression
+
+    def _decoding(self) -> list[_Request]:
+        return [r for r in self._running if r.prefill_left <= 0]
+
+    def _rate(self, decoding: int) -> float:
+        return min(self.settings.speed_tps, self.settings.capacity_tps / decoding) if decoding else 0.0
+
+    def _busy_now(self) -> float:
+        k = 0 if self.paused else len(self._decoding())
+        return min(k * self.settings.speed_tps, self.settings.capacity_tps) / self.settings.capacity_tps
+
+    def _advance(self) -> None:
+        """Move simulated time to now; between two calls the rates were constant."""
+        now = self._now()
+        dt, self._last = now - self._last, now
+        if self.paused or dt <= 0:
+            return
+        # Requests whose prefill ends inside dt start decoding at the next advance: the
+        # loop wakes at every prefill end, so what that drops is the wake-up latency.
+        decoding = self._decoding()
+        rate = self._rate(len(decoding))
+        for request in decoding:
+            request.produced = min(float(request.target), request.produced + rate * dt)
+        self._used += rate * len(decoding) * dt
+        for request in self._running:
+            if request.prefill_left > 0:
+                request.prefill_left -= dt
+        for request in list(self._running):
+            if request.fails and request.prefill_left <= 0:
+                self._fail(request)
+            elif request.produced >= request.target - _EPS:
+                self._finish(request, request.finish_reason)
+        while self._queued and len(self._running) < self.settings.max_concurrency:
+            self._running.append(self._queued.pop(0))
+
+    def _next_event(self) -> float | None:
+        """Simulated seconds until the next prefill end or finish, None when idle."""
+        if self.paused or not self._running:
+            return None
+        decoding = self._decoding()
+        rate = self._rate(len(decoding))
+        waits = [r.prefill_left for r in self._running if r.prefill_left > 0]
+        waits += [(r.target - r.produced) / rate for r in decoding]
+        return max(0.0, min(waits)) if waits else None
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        if not request.future.done():
+            request.future.set_result(request.result(reason))
+        self._drop(request)
+
+    def _fail(self, request: _Request) -> None:
+        if not request.future.done():
+            request.future.set_exception(EngineError("simulated engine failure (failure_rate)"))
+        self._drop(request)
+
+    def _drop(self, request: _Request) -> None:
+        if request in self._running:
+            self._running.remove(request)
+        elif request in self._queued:
+            self._queued.remove(request)
+
+    # --- the clock -------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._advance()
+            delay = self._next_event()
+            self._wake.clear()
+            timeout = None if delay is None else delay / self.settings.time_compression
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
