@@ -18,6 +18,7 @@ stamped with the model step the engine held when that token was produced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import uuid
@@ -246,7 +247,5 @@ class SimEngine:
             delay = self._next_event()
             self._wake.clear()
             timeout = None if delay is None else delay / self.settings.time_compression
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
