@@ -95,6 +95,33 @@ def check(settings: Settings) -> int:
     return 0
 
 
+def engines(
+    settings: Settings, *, address: str | None, foreground: bool, stop_engines: bool, stop: threading.Event
+) -> int:
+    """Start the run's engine actors and exit (they are detached), keep them tied to this
+    process (--foreground), or remove them (--stop)."""
+    import ray  # slow to import: only the commands that use Ray pay for it
+
+    from producer.pool import EnginePool, actor_name, init_ray, namespace
+
+    init_ray(address, local=foreground)
+    if stop_engines:
+        killed = EnginePool.stop(settings)
+        print(f"stopped {killed} engine actors of run {settings.run!r}")
+        return 0
+    EnginePool.start(settings, detached=not foreground)
+    names = ", ".join(actor_name(settings.run, i) for i in range(settings.engines.count))
+    print(
+        f"{settings.engines.count} {settings.engines.kind} engines ready: {names} "
+        f"(namespace {namespace(settings.run)}, Ray at {ray.get_runtime_context().gcs_address})",
+        flush=True,
+    )
+    if foreground:
+        stop.wait()
+        EnginePool.stop(settings)
+    return 0
+
+
 def example_prompts(path: Path, count: int) -> Path:
     """A small arithmetic prompt file with answers, for the demo."""
     rows = [

@@ -64,6 +64,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     return check(_settings(args))
 
 
+def cmd_engines(args: argparse.Namespace) -> int:
+    from cli.commands import engines
+
+    return engines(
+        _settings(args),
+        address=args.address,
+        foreground=args.foreground,
+        stop_engines=args.stop,
+        stop=_stop_on_sigterm(),
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import demo
 
@@ -105,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="exit 0 when Redis answers, non-zero otherwise")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("engines", help="start the run's engine actors on Ray (named, detached)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    p.add_argument("--foreground", action="store_true", help="keep the engines tied to this process")
+    p.add_argument("--stop", action="store_true", help="remove the run's engine actors")
+    p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("demo", help="a first try in one process on an embedded Redis")
     p.add_argument("--prompts", type=int, default=64, help="prompts to feed")

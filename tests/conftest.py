@@ -127,3 +127,15 @@ def real_buffer(redis_server: EmbeddedRedis, make_settings: SettingsFactory) -> 
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """A real local Ray, started once for the whole session (it takes seconds)."""
+    import ray
+
+    from producer.pool import init_ray
+
+    init_ray(local=True)
+    yield
+    ray.shutdown()
