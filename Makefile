@@ -2,28 +2,36 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+BASE := $(VENV)/.installed-base
+DEV := $(VENV)/.installed-dev
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint]'
-	touch $(STAMP)
+	$(PY) -m pip install --quiet -e .
+	touch $(BASE)
 
-demo: $(STAMP)
+# Tests, lint and benchmarks also need the hf extra (torch + transformers). torch first,
+# pinned: a bare torch requirement would pull several GB of CUDA packages.
+$(DEV): $(BASE)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,lint,hf]'
+	touch $(DEV)
+
+demo: $(BASE)
 	$(VENV)/bin/rollstream demo
 
-test: $(STAMP)
+test: $(DEV)
 	$(PY) -m pytest
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shared producer consumer cli bench
 
-bench: $(STAMP)
+bench: $(DEV)
 	$(PY) bench/codec.py
 	$(PY) bench/buffer.py
 
