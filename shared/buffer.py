@@ -179,28 +179,72 @@ class ReplayBuffer:
     # --- producer side ---------------------------------------------------------------
 
     def claim(
-        self, task: str, count: int = 1, *, include_expired: bool = False, block_ms: int = 0
+        self,
+        task: str,
+        count: int = 1,
+        *,
+        include_expired: bool = False,
+        block_ms: int = 0,
+        limit: int | None = None,
     ) -> list[Claim]:
         """Claim up to ``count`` work items: idle claims of dead producers, then the
         aborted pool, the expired pool (only with ``include_expired``), fresh prompts.
 
-        With ``block_ms`` it waits that long for work when every pool is empty.
+        ``limit`` is the admission bound: new work is claimed only while the task's
+        accepted + running groups stay below it, checked atomically across producers.
+        With ``block_ms`` it waits that long for work when every pool is empty (and
+        the bound leaves room).
         """
         self.ensure(task)
         kinds = [k for k in POOLS if include_expired or k != "expired"]
         claims: list[Claim] = []
-        for kind in kinds:
+        for kind in kinds:  # already admitted: a dead producer's claims do not count twice
             if len(claims) < count:
                 claims += self._claims(self.reclaim(kind, task, count - len(claims)))
-        for kind in kinds:
-            if len(claims) < count:
-                claims += self._claims(self.streams.read([kind], task, count - len(claims)))
+        if len(claims) < count:
+            claims += self._claims(self._claim_new(task, count - len(claims), include_expired, limit))
         if not claims and block_ms > 0:
-            # Wake on whichever pool gets work first, take one, then fill up in pool order.
-            claims = self._claims(self.streams.read(kinds, task, 1, block_ms=block_ms))
+            if limit is None:
+                # Wake on whichever pool gets work first, take it, then fill up in pool order.
+                claims = self._claims(self.streams.read(kinds, task, 1, block_ms=block_ms))
+            elif self._room(task, limit) > 0:
+                # Wait for new work without taking it, then claim through the bound check.
+                self.client.xread({self.keys.stream(k, task): "$" for k in kinds}, count=1, block=block_ms)
+                claims = self._claims(self._claim_new(task, 1, include_expired, limit))
             if claims:
-                claims += self.claim(task, count - 1, include_expired=include_expired)
+                claims += self.claim(task, count - 1, include_expired=include_expired, limit=limit)
         return claims
+
+    def _claim_new(self, task: str, count: int, include_expired: bool, limit: int | None) -> list[Entry]:
+        if limit is None:
+            entries: list[Entry] = []
+            for kind in (k for k in POOLS if include_expired or k != "expired"):
+                if len(entries) < count:
+                    entries += self.streams.read([kind], task, count - len(entries))
+            return entries
+        keys = [self.keys.aborted(task), self.keys.expired(task), self.keys.prompts(task), self.keys.progress]
+        args: list[Any] = [self.consumer, count, limit, "1" if include_expired else "0", task]
+        out = []
+        for stream, entry_id, flat in self.scripts.claim_bounded(keys=keys, args=args):
+            name = text(stream)
+            kind = self.keys.parse_stream(name)[0]  # type: ignore[index]
+            out.append(Entry(name, kind, task, text(entry_id), dict(zip(flat[::2], flat[1::2], strict=True))))
+        return out
+
+    def _room(self, task: str, limit: int) -> int:
+        return limit - self.admitted(task)
+
+    def admitted(self, task: str) -> int:
+        """accepted + running of the task, as the admission bound counts them."""
+        counts = self.client.hmget(
+            self.keys.progress, [progress_field(task, c) for c in ("completed", "expired", "expired_dropped")]
+        )
+        completed, expired, dropped = (int(c or 0) for c in counts)
+        pipe = self.client.pipeline(transaction=False)
+        for kind in POOLS:
+            pipe.xpending(self.keys.stream(kind, task), PRODUCERS)
+        running = sum(int(p["pending"]) for p in pipe.execute())
+        return completed - expired - dropped + running
 
     def _claims(self, entries: list[Entry]) -> list[Claim]:
         out = []

@@ -168,6 +168,39 @@ end
 return lost
 """
 
+# KEYS: aborted, expired, prompts streams of one task, progress hash
+# ARGV: consumer, count, limit, '1' to include the expired pool, task
+# Admission control, atomic across producers: claims new entries, in pool order, only
+# while accepted + running < limit. accepted = completed - expired - expired_dropped
+# (groups that can still be trained on); running = entries pending in the pools.
+# Returns {{stream, id, {field, value, ...}}, ...}.
+CLAIM_BOUNDED = """
+local function counter(name)
+  return tonumber(redis.call('HGET', KEYS[4], ARGV[5] .. ':' .. name) or '0') or 0
+end
+local accepted = counter('completed') - counter('expired') - counter('expired_dropped')
+local running = 0
+for i = 1, 3 do running = running + redis.call('XPENDING', KEYS[i], 'producers')[1] end
+local room = math.min(tonumber(ARGV[2]), tonumber(ARGV[3]) - accepted - running)
+local out = {}
+for i = 1, 3 do
+  if room <= 0 then break end
+  if i ~= 2 or ARGV[4] == '1' then
+    local reply = redis.call('XREADGROUP', 'GROUP', 'producers', ARGV[1], 'COUNT', room,
+                             'STREAMS', KEYS[i], '>')
+    -- nil when nothing is new; fakeredis answers {} then, and {stream, entries} unwrapped
+    local entries = reply and reply[1] and (type(reply[1]) == 'table' and reply[1][2] or reply[2])
+    if entries then
+      for _, entry in ipairs(entries) do
+        out[#out + 1] = {KEYS[i], entry[1], entry[2]}
+        room = room - 1
+      end
+    end
+  end
+end
+return out
+"""
+
 # KEYS: prompts stream, fed-uid set, progress hash
 # ARGV: progress field, then (uid, task, data) triples. Idempotent by uid.
 FEED = (
@@ -222,5 +255,6 @@ class Scripts:
         self.commit: Script = client.register_script(COMMIT)
         self.reclaim: Script = client.register_script(RECLAIM)
         self.touch: Script = client.register_script(TOUCH)
+        self.claim_bounded: Script = client.register_script(CLAIM_BOUNDED)
         self.feed: Script = client.register_script(FEED)
         self.feed_at_cursor: Script = client.register_script(FEED_AT_CURSOR)

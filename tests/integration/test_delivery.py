@@ -337,3 +337,25 @@ def test_settle_retries_when_a_reclaim_lands_between_gate_and_exec(make) -> None
     assert len(sent) == 2  # the first EXEC was aborted, the second went through
     assert producer.client.xlen(producer.keys.groups("math")) == 1
     assert producer.client.hget(producer.keys.progress, "math:completed") == b"1"
+
+
+def test_bounded_claims_of_concurrent_producers_never_pass_the_limit(make) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    producers = [make(f"p{i}") for i in range(4)]
+    producers[0].feed(prompts("math", 200))
+    seen: list[int] = []
+
+    def work(buffer: ReplayBuffer) -> None:
+        for _ in range(30):
+            for claim in buffer.claim("math", 3, limit=10):
+                seen.append(buffer.admitted("math"))
+                buffer.complete(claim, group_for(claim.prompt, tokens=2))
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in producers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen and max(seen) <= 10
+    assert producers[0].client.xlen(producers[0].keys.groups("math")) == 10  # then no room left

@@ -190,3 +190,32 @@ def test_status_counts_per_stream(fake_buffer: BufferFactory) -> None:
     code = by_key[buffer.keys.prompts("code")]
     assert (code.length, code.pending, code.lag) == (2, 0, 2)
     assert status.progress == {"code:fed": 2, "math:fed": 4}
+
+
+def test_bounded_claim_admits_only_while_accepted_plus_running_stay_below_the_limit(
+    fake_buffer: BufferFactory,
+) -> None:
+    a, b = fake_buffer("p1"), fake_buffer("p2")
+    a.feed(prompts("math", 20))
+    first = a.claim("math", 10, limit=6)
+    assert len(first) == 6  # running 6
+    assert b.claim("math", 10, limit=6) == []  # the bound holds across producers
+    for claim in first[:4]:
+        a.complete(claim, group_for(claim.prompt))  # accepted 4, running 2
+    assert b.claim("math", 10, limit=6) == []
+    assert len(b.claim("math", 10, limit=8)) == 2  # accepted 4 + running 4 = 8
+    a.drop(first[4])  # filtered: neither accepted nor running any more
+    assert [c.source for c in a.claim("math", 10, limit=8)] == ["prompts"]
+    assert a.admitted("math") == 8
+
+
+def test_expired_groups_give_their_admission_back(fake_buffer: BufferFactory) -> None:
+    producer, trainer = fake_buffer("p1"), fake_buffer("trainer")
+    producer.feed(prompts("math", 4))
+    for claim in producer.claim("math", 2, limit=2):
+        producer.complete(claim, group_for(claim.prompt))
+    assert producer.claim("math", 1, limit=2) == []
+    (item, _) = trainer.read_batch("math", 2).items
+    trainer.expire(item)  # a stale group will be produced again: it no longer counts
+    again = producer.claim("math", 5, limit=2, include_expired=True)
+    assert [c.source for c in again] == ["expired"]
