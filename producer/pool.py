@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,8 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from producer.engines import make_engine
-from producer.engines.base import EngineHealth, Generation, SamplingParams, dumps, loads
+from producer.engines.base import Engine, EngineHealth, Generation, SamplingParams, dumps, loads
+from producer.host import EngineHost
 from shared.errors import RollstreamError
 from shared.settings import EngineSettings, Settings
 
@@ -64,32 +65,36 @@ def init_ray(address: str | None = None, *, local: bool = False) -> None:
 
 @ray.remote
 class EngineActor:
-    """One engine in a Ray actor. Async methods: the actor serves many requests at once."""
+    """One engine in a Ray actor, bytes in and out. Async methods: the actor serves many
+    requests at once."""
 
     def __init__(self, engine_settings: bytes, index: int) -> None:
         self.index = index
-        self.engine = make_engine(EngineSettings.model_validate_json(engine_settings))
+        self.host = EngineHost(make_engine(EngineSettings.model_validate_json(engine_settings)))
 
     async def generate(self, request: bytes) -> bytes:
         r = loads(request)
         params = SamplingParams.from_dict(r["params"])
-        generations = await self.engine.generate(r["prompt_ids"], params, r["n"], r["request_id"])
+        generations = await self.host.generate(r["prompt_ids"], params, r["n"], r["request_id"])
         return dumps([g.to_dict() for g in generations])
 
+    async def sync_weights(self, model_step: int, path: str | None, mode: str) -> int:
+        return await self.host.sync_weights(model_step, path, mode)
+
     async def abort(self, request_ids: bytes) -> int:
-        return await self.engine.abort(loads(request_ids))
+        return await self.host.abort(loads(request_ids))
 
     async def pause(self) -> None:
-        await self.engine.pause()
+        await self.host.pause()
 
     async def resume(self) -> None:
-        await self.engine.resume()
+        await self.host.resume()
 
     async def update_weights(self, model_step: int, path: str | None = None) -> None:
-        await self.engine.update_weights(model_step, path)
+        await self.host.update_weights(model_step, path)
 
     async def health(self) -> bytes:
-        return dumps((await self.engine.health()).to_dict())
+        return dumps((await self.host.health()).to_dict())
 
 
 @dataclass(slots=True)
@@ -105,11 +110,117 @@ class PoolResult:
         return bool(self.error)
 
 
-class EnginePool:
+class BasePool:
+    """What every pool does: placement, failed results instead of exceptions, broadcast
+    control with the engines that did not confirm. Subclasses say how to call engine i."""
+
+    def __init__(self, size: int) -> None:
+        self.outstanding = [0] * size
+
+    def pick(self, avoid: Iterable[int] = ()) -> int:
+        """The engine with the fewest requests outstanding from this pool, not in ``avoid``
+        unless every engine is."""
+        avoided = set(avoid)
+        everyone = range(len(self.outstanding))
+        candidates = [i for i in everyone if i not in avoided] or list(everyone)
+        return min(candidates, key=lambda i: (self.outstanding[i], i))
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int,
+        request_id: str,
+        avoid: Iterable[int] = (),
+    ) -> PoolResult:
+        """The n samples of one group, all on one engine."""
+        index = self.pick(avoid)
+        self.outstanding[index] += 1
+        try:
+            generations = await self._generate(index, prompt_ids, params, n, request_id)
+        except Exception as exc:
+            return PoolResult(index, error=self._describe(index, exc))
+        finally:
+            self.outstanding[index] -= 1
+        return PoolResult(index, generations)
+
+    async def abort(self, request_ids: list[str] | None = None) -> int:
+        counts = await self._each(lambda i: self._abort(i, request_ids))
+        return sum(c for c in counts if isinstance(c, int))
+
+    async def pause(self) -> list[int]:
+        """Pause every engine; returns the engines that did not confirm."""
+        return _failed(await self._each(lambda i: self._call(i, "pause")))
+
+    async def resume(self) -> list[int]:
+        return _failed(await self._each(lambda i: self._call(i, "resume")))
+
+    async def update_weights(self, model_step: int, path: str | None = None) -> list[int]:
+        """Load ``model_step`` on every engine; returns the engines that did not confirm."""
+        return _failed(await self._each(lambda i: self._call(i, "update_weights", model_step, path)))
+
+    async def sync_weights(
+        self, model_step: int, path: str | None = None, mode: str = "abort", timeout_s: float = 30.0
+    ) -> list[int]:
+        """Bring every engine to ``model_step``, re-sending to those that do not confirm
+        (an engine restarting, a call lost) until ``timeout_s``; returns the engines that
+        never confirmed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = list(range(len(self.outstanding)))
+        while True:
+            calls = {i: asyncio.ensure_future(self._sync_one(i, model_step, path, mode)) for i in pending}
+            await asyncio.wait(calls.values(), timeout=max(0.0, deadline - loop.time()))
+            pending = [i for i, c in calls.items() if not c.done() or c.result() < model_step]
+            for call in calls.values():
+                call.cancel()  # the engine may still finish it; a later sync is a no-op then
+            if not pending or loop.time() >= deadline:
+                return pending
+            await asyncio.sleep(0.2)
+
+    async def _sync_one(self, index: int, model_step: int, path: str | None, mode: str) -> int:
+        try:
+            return int(await self._call(index, "sync_weights", model_step, path, mode))
+        except Exception:
+            return -1
+
+    async def health(self) -> list[EngineHealth | None]:
+        """Each engine's health, None for one that does not answer."""
+        replies = await self._each(self._health)
+        return [r if isinstance(r, EngineHealth) else None for r in replies]
+
+    async def _each(self, call: Callable[[int], Awaitable[Any]]) -> list[Any]:
+        return list(
+            await asyncio.gather(*(call(i) for i in range(len(self.outstanding))), return_exceptions=True)
+        )
+
+    # --- how to reach engine i -----------------------------------------------------------
+
+    async def _generate(
+        self, index: int, prompt_ids: list[int], params: SamplingParams, n: int, request_id: str
+    ) -> list[Generation]:
+        raise NotImplementedError
+
+    async def _abort(self, index: int, request_ids: list[str] | None) -> int:
+        raise NotImplementedError
+
+    async def _health(self, index: int) -> EngineHealth:
+        raise NotImplementedError
+
+    async def _call(self, index: int, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def _describe(self, index: int, exc: Exception) -> str:
+        return f"engine {index}: {_first_line(exc)}"
+
+
+class EnginePool(BasePool):
+    """Engines in the run's named Ray actors."""
+
     def __init__(self, run: str, handles: list[Any]) -> None:
+        super().__init__(len(handles))
         self.run = run
         self.handles = handles
-        self.outstanding = [0] * len(handles)
 
     @classmethod
     def start(cls, settings: Settings, *, detached: bool = True) -> EnginePool:
@@ -163,63 +274,58 @@ class EnginePool:
             killed += 1
         return killed
 
-    def pick(self, avoid: Iterable[int] = ()) -> int:
-        """The engine with the fewest requests outstanding from this pool, not in ``avoid``
-        unless every engine is."""
-        avoided = set(avoid)
-        candidates = [i for i in range(len(self.handles)) if i not in avoided] or list(
-            range(len(self.handles))
-        )
-        return min(candidates, key=lambda i: (self.outstanding[i], i))
-
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        n: int,
-        request_id: str,
-        avoid: Iterable[int] = (),
-    ) -> PoolResult:
-        """The n samples of one group, all on one engine."""
-        index = self.pick(avoid)
+    async def _generate(
+        self, index: int, prompt_ids: list[int], params: SamplingParams, n: int, request_id: str
+    ) -> list[Generation]:
         request = dumps(
             {"prompt_ids": prompt_ids, "params": params.to_dict(), "n": n, "request_id": request_id}
         )
-        self.outstanding[index] += 1
-        try:
-            reply = await self.handles[index].generate.remote(request)
-        except RayTaskError as exc:  # the engine raised: its message says why
-            return PoolResult(index, error=f"engine {index}: {exc.cause if exc.cause else exc}")
-        except RayActorError as exc:  # the actor died (and is being restarted)
-            return PoolResult(index, error=f"engine {index} died: {_first_line(exc)}")
-        except RayError as exc:
-            return PoolResult(index, error=f"engine {index} unreachable: {_first_line(exc)}")
-        finally:
-            self.outstanding[index] -= 1
-        return PoolResult(index, [Generation.from_dict(g) for g in loads(reply)])
+        reply = await self.handles[index].generate.remote(request)
+        return [Generation.from_dict(g) for g in loads(reply)]
 
-    async def abort(self, request_ids: list[str] | None = None) -> int:
-        counts = await self._each(lambda h: h.abort.remote(dumps(request_ids)))
-        return sum(c for c in counts if isinstance(c, int))
+    async def _abort(self, index: int, request_ids: list[str] | None) -> int:
+        return int(await self.handles[index].abort.remote(dumps(request_ids)))
 
-    async def pause(self) -> list[int]:
-        """Pause every engine; returns the engines that did not confirm."""
-        return _failed(await self._each(lambda h: h.pause.remote()))
+    async def _health(self, index: int) -> EngineHealth:
+        return EngineHealth(**loads(await self.handles[index].health.remote()))
 
-    async def resume(self) -> list[int]:
-        return _failed(await self._each(lambda h: h.resume.remote()))
+    async def _call(self, index: int, method: str, *args: Any) -> Any:
+        return await getattr(self.handles[index], method).remote(*args)
 
-    async def update_weights(self, model_step: int, path: str | None = None) -> list[int]:
-        """Load ``model_step`` on every engine; returns the engines that did not confirm."""
-        return _failed(await self._each(lambda h: h.update_weights.remote(model_step, path)))
+    def _describe(self, index: int, exc: Exception) -> str:
+        if isinstance(exc, RayTaskError):  # the engine raised: its message says why
+            return f"engine {index}: {exc.cause if exc.cause else _first_line(exc)}"
+        if isinstance(exc, RayActorError):  # the actor died (and is being restarted)
+            return f"engine {index} died: {_first_line(exc)}"
+        if isinstance(exc, RayError):
+            return f"engine {index} unreachable: {_first_line(exc)}"
+        return super()._describe(index, exc)
 
-    async def health(self) -> list[EngineHealth | None]:
-        """Each engine's health, None for one that does not answer."""
-        replies = await self._each(lambda h: h.health.remote())
-        return [EngineHealth(**loads(r)) if isinstance(r, bytes) else None for r in replies]
 
-    async def _each(self, call: Any) -> list[Any]:
-        return list(await asyncio.gather(*(call(h) for h in self.handles), return_exceptions=True))
+class LocalPool(BasePool):
+    """Engines in this process: one-process runs and tests of the producer logic."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        super().__init__(len(engines))
+        self.hosts = [EngineHost(e) for e in engines]
+
+    @classmethod
+    def start(cls, settings: Settings) -> LocalPool:
+        return cls([make_engine(settings.engines) for _ in range(settings.engines.count)])
+
+    async def _generate(
+        self, index: int, prompt_ids: list[int], params: SamplingParams, n: int, request_id: str
+    ) -> list[Generation]:
+        return await self.hosts[index].generate(prompt_ids, params, n, request_id)
+
+    async def _abort(self, index: int, request_ids: list[str] | None) -> int:
+        return await self.hosts[index].abort(request_ids)
+
+    async def _health(self, index: int) -> EngineHealth:
+        return await self.hosts[index].health()
+
+    async def _call(self, index: int, method: str, *args: Any) -> Any:
+        return await getattr(self.hosts[index], method)(*args)
 
 
 def _failed(replies: list[Any]) -> list[int]:

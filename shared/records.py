@@ -9,7 +9,7 @@ accept plain lists too and convert them once, on construction.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeAlias
@@ -47,13 +47,13 @@ def group_status(statuses: Iterable[Status]) -> Status:
     raise AssertionError(f"unreachable: {present}")  # pragma: no cover
 
 
-def as_ids(values: Sequence[int] | npt.ArrayLike) -> IdArray:
+def as_ids(values: npt.ArrayLike) -> IdArray:
     if type(values) is np.ndarray and values.dtype == ID_DTYPE and values.ndim == 1:
         return values
     return np.ascontiguousarray(values, dtype=ID_DTYPE).reshape(-1)
 
 
-def as_logprobs(values: Sequence[float] | npt.ArrayLike) -> FloatArray:
+def as_logprobs(values: npt.ArrayLike) -> FloatArray:
     if type(values) is np.ndarray and values.dtype == LOGPROB_DTYPE and values.ndim == 1:
         return values
     return np.ascontiguousarray(values, dtype=LOGPROB_DTYPE).reshape(-1)
@@ -73,30 +73,47 @@ class Prompt:
         return f"{self.task}:{self.uid}"
 
 
-@dataclass(slots=True, eq=False)
 class Sample:
-    """One response. ``response_versions[i]`` is the model step that produced token i."""
+    """One response. ``response_versions[i]`` is the model step that produced token i.
 
-    prompt_ids: IdArray
-    response_ids: IdArray
-    logprobs: FloatArray
-    response_versions: IdArray
-    finish_reason: str | None = None
-    reward: dict[str, Any] = field(default_factory=dict)
-    status: Status = Status.COMPLETED
-    text: str = ""
+    Token fields accept lists or arrays and are held as int32 / float32 arrays.
+    """
 
-    def __post_init__(self) -> None:
-        self.prompt_ids = as_ids(self.prompt_ids)
-        self.response_ids = as_ids(self.response_ids)
-        self.logprobs = as_logprobs(self.logprobs)
-        self.response_versions = as_ids(self.response_versions)
-        self.status = Status(self.status)
+    __slots__ = (
+        "finish_reason", "logprobs", "prompt_ids", "response_ids",
+        "response_versions", "reward", "status", "text",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        prompt_ids: npt.ArrayLike,
+        response_ids: npt.ArrayLike,
+        logprobs: npt.ArrayLike,
+        response_versions: npt.ArrayLike,
+        finish_reason: str | None = None,
+        reward: dict[str, Any] | None = None,
+        status: Status | str = Status.COMPLETED,
+        text: str = "",
+    ) -> None:
+        self.prompt_ids: IdArray = as_ids(prompt_ids)
+        self.response_ids: IdArray = as_ids(response_ids)
+        self.logprobs: FloatArray = as_logprobs(logprobs)
+        self.response_versions: IdArray = as_ids(response_versions)
+        self.finish_reason = finish_reason
+        self.reward: dict[str, Any] = {} if reward is None else reward
+        self.status = Status(status)
+        self.text = text
         n = len(self.response_ids)
         if len(self.response_versions) != n:
             raise ValueError(f"response_versions has {len(self.response_versions)} entries for {n} tokens")
         if len(self.logprobs) not in (0, n):
             raise ValueError(f"logprobs has {len(self.logprobs)} entries for {n} tokens")
+
+    def __repr__(self) -> str:
+        return (
+            f"Sample(tokens={len(self.response_ids)}, prompt_tokens={len(self.prompt_ids)}, "
+            f"finish_reason={self.finish_reason!r}, status={self.status.value}, reward={self.reward!r})"
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):

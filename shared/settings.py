@@ -106,6 +106,7 @@ class SimEngineSettings(BaseModel):
     time_compression: float = Field(default=1.0, gt=0, description="simulated seconds per real second")
     failure_rate: float = Field(default=0.0, ge=0, le=1, description="share of requests that fail")
     seed: int = 0
+    accuracy: float = Field(default=0.5, ge=0, le=1, description="share of right answers to 'What is a + b?'")
 
 
 class HFEngineSettings(BaseModel):
@@ -128,6 +129,43 @@ class EngineSettings(BaseModel):
     hf: HFEngineSettings = Field(default_factory=HFEngineSettings)
 
 
+class RolloutSettings(BaseModel):
+    """What producers and trainer agree on: batches, staleness, weight syncs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["sync", "async"] = "async"
+    batch_size: int = Field(default=64, ge=1, description="groups per train step, over all tasks")
+    over_sample_threshold: float = Field(
+        default=0.0, ge=0, le=10, description="extra share to cover filtered"
+    )
+    max_staleness: int = Field(default=1, ge=0, description="weight syncs a group may lag behind")
+    sync_weights_interval: int = Field(default=1, ge=1, description="train steps between weight syncs")
+    tail_batch_trigger_size: int = Field(default=0, ge=-1, description="-1 drop, 0 re-roll, N re-roll at N")
+    on_weight_sync: Literal["drain", "abort", "partial"] = "partial"
+
+    @property
+    def stale_threshold(self) -> int:
+        return (self.max_staleness + 1) * self.sync_weights_interval
+
+
+class ProducerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_inflight: int = Field(default=32, ge=1, description="groups one producer generates at once")
+    max_tokens: int = Field(default=1024, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    judge: str = Field(default="math", description="math, exact, regex, or a dotted path")
+    judge_on_queue: bool = Field(default=False, description="run the judge as rq jobs on the judge queue")
+    judge_timeout_s: float = Field(default=60.0, gt=0)
+    is_valid: str = Field(default="nonzero_reward_std", description="group filter, built-in or dotted path")
+    group_timeout_s: float = Field(default=0.0, ge=0, description="per-attempt timeout; 0 = dynamic")
+    timeout_ratio: float = Field(default=4.0, gt=1, description="dynamic timeout = ratio x mean group time")
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    sync_timeout_s: float = Field(default=30.0, gt=0, description="wait for engines to confirm a weight sync")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -141,6 +179,8 @@ class Settings(BaseSettings):
     tasks: list[TaskSettings] = Field(default_factory=lambda: [TaskSettings(name="default")])
     buffer: BufferSettings = Field(default_factory=BufferSettings)
     engines: EngineSettings = Field(default_factory=EngineSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    producer: ProducerSettings = Field(default_factory=ProducerSettings)
 
     @model_validator(mode="after")
     def _unique_tasks(self) -> Settings:

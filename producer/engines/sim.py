@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
+import re
 import time
 import uuid
 import zlib
@@ -39,6 +41,21 @@ from producer.engines.base import (
 from shared.settings import SimEngineSettings
 
 _EPS = 1e-9
+_SUM = re.compile(r"What is (-?\d+) \+ (-?\d+)\?")
+
+
+def _answer(prompt_ids: list[int], rng: np.random.Generator, accuracy: float) -> str:
+    """Rewards need answers: to a prompt "What is a + b?" (as bytes, the producer's
+    tokenizer for the sim engine) the response says a + b, right with probability
+    ``accuracy``. Other prompts get no text."""
+    right = rng.random() < accuracy
+    # the prompt's bytes, without the tokens of a partial response continued after them
+    head = bytes(itertools.takewhile(lambda t: 0 <= int(t) < 256, prompt_ids))
+    match = _SUM.search(head.decode("utf-8", "replace"))
+    if match is None:
+        return ""
+    value = int(match[1]) + int(match[2]) + (0 if right else 1 + int(rng.integers(0, 9)))
+    return f"Adding the two numbers gives \\boxed{{{value}}}."
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +68,7 @@ class _Request:
     prefill_left: float  # simulated seconds of prefill still to run
     fails: bool
     future: asyncio.Future[Generation]
+    text: str = ""  # what the finished response says
     produced: float = 0.0
     runs: list[tuple[int, int]] = field(default_factory=list)  # (first token index, model step)
 
@@ -60,7 +78,8 @@ class _Request:
         for i, (start, step) in enumerate(self.runs):
             end = self.runs[i + 1][0] if i + 1 < len(self.runs) else count
             versions[min(start, count) : min(end, count)] = step
-        return Generation(self.token_ids[:count], self.logprobs[:count], versions, finish_reason)
+        text = "" if finish_reason == FINISH_ABORT else self.text
+        return Generation(self.token_ids[:count], self.logprobs[:count], versions, finish_reason, text)
 
 
 class SimEngine:
@@ -163,6 +182,7 @@ class SimEngine:
             prefill_left=prefill,
             fails=bool(self._failures.random() < s.failure_rate),
             future=loop.create_future(),
+            text=_answer(prompt_ids, rng, s.accuracy),
             runs=[(0, self.model_step)],
         )
 

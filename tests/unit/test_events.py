@@ -25,7 +25,10 @@ def test_heartbeats_list_live_producers_and_drop_dead_ones(fake_client: redis.Re
     control = RunControl(fake_client, Keys("exp"))
     control.heartbeat("p1", 2, 5)
     control.heartbeat("p2", 1, 0)
-    assert [(b.producer, b.model_step, b.inflight) for b in control.producers(60)] == [("p1", 2, 5), ("p2", 1, 0)]
+    assert [(b.producer, b.model_step, b.inflight) for b in control.producers(60)] == [
+        ("p1", 2, 5),
+        ("p2", 1, 0),
+    ]
     time.sleep(0.05)
     control.heartbeat("p2", 2, 1)
     assert [b.producer for b in control.producers(0.04)] == ["p2"]

@@ -1,0 +1,210 @@
+"""One group's life on the producer: generate (retrying elsewhere on failure or
+timeout, continuing partial samples), judge, filter, settle the claim.
+
+The outcome of a claim is one of: completed (group appended), filtered (counted,
+dropped), aborted (back to the aborted pool, with partial samples when partial
+rollout is on), failed (dead-lettered after max_attempts), fenced (the claim
+was taken over by another producer meanwhile: nothing written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from producer.engines.base import FINISH_ABORT, Generation, SamplingParams
+from producer.judges.base import Judge, JudgeError, apply_rewards
+from producer.judges.rq import RQJudge
+from producer.pool import EnginePool
+from producer.tokenizer import Tokenizer
+from shared.buffer import Claim, ReplayBuffer
+from shared.records import Group, Sample, Status
+from shared.settings import Settings
+
+COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
+DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
+
+
+class GroupFailed(Exception):
+    """Every attempt at a group failed; the message says why the last one did."""
+
+
+class GroupRunner:
+    def __init__(
+        self,
+        settings: Settings,
+        buffer: ReplayBuffer,
+        pool: EnginePool,
+        tokenizer: Tokenizer,
+        judge: Judge,
+        is_valid: Callable[[Group], bool],
+        rq_judge: RQJudge | None = None,
+    ) -> None:
+        self.settings = settings
+        self.buffer = buffer
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.judge = judge
+        self.is_valid = is_valid
+        self.rq_judge = rq_judge
+        self.recent_s: deque[float] = deque(maxlen=64)
+        self.inflight: set[str] = set()  # request ids, for aborts
+        self.retries = 0
+
+    async def run(self, claim: Claim) -> str:
+        """claim -> generate -> judge -> filter -> complete."""
+        started = time.monotonic()
+        try:
+            samples = await self.generate(claim)
+        except GroupFailed as exc:
+            self.buffer.dead_letter(claim.entry, f"generation failed: {exc}")
+            return FAILED
+        if any(s.status is Status.ABORTED for s in samples):
+            keep = samples if self.settings.rollout.on_weight_sync == "partial" else []
+            return ABORTED if self.buffer.abort(claim, keep) is not None else FENCED
+        group = Group.for_prompt(
+            claim.prompt, samples=samples, attempt=claim.entry.deliveries, producer=self.buffer.consumer
+        )
+        try:
+            await self.score(group)
+        except JudgeError as exc:
+            self.buffer.dead_letter(claim.entry, f"judge failed: {exc}")
+            return FAILED
+        group.timings["generate_s"] = time.monotonic() - started
+        if not self.is_valid(group):
+            return FILTERED if self.buffer.drop(claim) else FENCED
+        self.recent_s.append(time.monotonic() - started)
+        return COMPLETED if self.buffer.complete(claim, group) is not None else FENCED
+
+    # --- generate ----------------------------------------------------------------------
+
+    async def generate(self, claim: Claim) -> list[Sample]:
+        """The group's n samples: fresh, or the partial ones continued. Retries a failed
+        or timed-out attempt on another engine, up to max_attempts."""
+        n = self.settings.task(claim.task).n
+        prompt_ids = self.tokenizer.encode(claim.prompt.prompt)
+        kept = [s for s in claim.partial if s.status is not Status.ABORTED]
+        to_continue = [s for s in claim.partial if s.status is Status.ABORTED]
+        if not claim.partial:
+            to_continue = [_empty(prompt_ids) for _ in range(n)]
+        avoid: list[int] = []
+        last_error = ""
+        for attempt in range(1, self.settings.buffer.max_attempts + 1):
+            request_id = f"{claim.group_id}#{claim.entry.id}#{attempt}"
+            try:
+                continued = await self._continue(prompt_ids, to_continue, request_id, avoid)
+                return kept + continued
+            except _AttemptFailed as exc:
+                last_error = str(exc)
+                avoid.append(exc.engine)
+                self.retries += 1
+        raise GroupFailed(f"{self.settings.buffer.max_attempts} attempts, last: {last_error}")
+
+    async def _continue(
+        self, prompt_ids: list[int], samples: list[Sample], request_id: str, avoid: list[int]
+    ) -> list[Sample]:
+        max_tokens = self.settings.producer.max_tokens
+        if all(len(s.response_ids) == 0 for s in samples):
+            # fresh samples: one request of n, so that one engine's prefix cache serves all
+            gens = await self._request(prompt_ids, len(samples), max_tokens, request_id, avoid)
+            return [_sample(prompt_ids, g) for g in gens]
+        # partial samples: each goes on from its own tokens with what is left of max_tokens
+        parts = [
+            self._request(
+                prompt_ids + s.response_ids.tolist(),
+                1,
+                max(1, max_tokens - len(s.response_ids)),
+                f"{request_id}.{i}",
+                avoid,
+            )
+            for i, s in enumerate(samples)
+        ]
+        results = await asyncio.gather(*parts, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return [_merge(prompt_ids, s, r[0]) for s, r in zip(samples, results, strict=True)]  # type: ignore[index]
+
+    async def _request(
+        self, prompt_ids: list[int], n: int, max_tokens: int, request_id: str, avoid: list[int]
+    ) -> list[Generation]:
+        p = self.settings.producer
+        params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p)
+        self.inflight.add(request_id)
+        try:
+            call = self.pool.generate(prompt_ids, params, n, request_id, avoid)
+            timeout = self.timeout_s()
+            try:
+                result = await asyncio.wait_for(call, timeout) if timeout else await call
+            except TimeoutError:
+                await self.pool.abort([request_id])
+                raise _AttemptFailed(self.pool.pick(avoid), f"timed out after {timeout:.1f} s") from None
+        finally:
+            self.inflight.discard(request_id)
+        if result.failed:
+            raise _AttemptFailed(result.engine, result.error)
+        return result.generations
+
+    def timeout_s(self) -> float | None:
+        """Per-attempt timeout: fixed, or ratio x the mean time of recent groups."""
+        fixed = self.settings.producer.group_timeout_s
+        if fixed > 0:
+            return fixed
+        if len(self.recent_s) < DYNAMIC_TIMEOUT_AFTER:
+            return None
+        return self.settings.producer.timeout_ratio * statistics.fmean(self.recent_s)
+
+    # --- judge -------------------------------------------------------------------------
+
+    async def score(self, group: Group) -> None:
+        if self.rq_judge is None:
+            rewards = self.judge(group.prompt, group.samples)
+        else:
+            job = self.rq_judge.submit(group.prompt, group.samples)
+            # rq retries a failed or killed job itself: wait for every try
+            tries = self.settings.buffer.max_attempts
+            wait_s = tries * (self.settings.producer.judge_timeout_s + 5)
+            try:
+                rewards = await asyncio.to_thread(self.rq_judge.result, job, wait_s)
+            except asyncio.CancelledError:
+                self.rq_judge.cancel([job])
+                raise
+        apply_rewards(group.samples, rewards)
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, engine: int, reason: str) -> None:
+        super().__init__(reason)
+        self.engine = engine
+
+
+def _empty(prompt_ids: list[int]) -> Sample:
+    return Sample(prompt_ids, [], [], [], status=Status.ABORTED)
+
+
+def _sample(prompt_ids: list[int], gen: Generation) -> Sample:
+    aborted = gen.finish_reason == FINISH_ABORT
+    return Sample(
+        prompt_ids=prompt_ids,
+        response_ids=gen.response_ids,
+        logprobs=gen.logprobs,
+        response_versions=gen.versions,
+        finish_reason=gen.finish_reason,
+        status=Status.ABORTED if aborted else Status.COMPLETED,
+        text=gen.text,
+    )
+
+
+def _merge(prompt_ids: list[int], before: Sample, gen: Generation) -> Sample:
+    """A partial sample continued: its tokens, then the new ones (with their versions)."""
+    merged = _sample(prompt_ids, gen)
+    merged.response_ids = np.concatenate([before.response_ids, merged.response_ids])
+    merged.logprobs = np.concatenate([before.logprobs, merged.logprobs])
+    merged.response_versions = np.concatenate([before.response_versions, merged.response_versions])
+    merged.text = before.text + merged.text
+    return merged

@@ -1,0 +1,72 @@
+"""An engine as the pool shares it: the engine, plus what sharing one engine among
+many producers needs — weight syncs done once per step however many producers ask,
+and a drain that waits for every producer's requests, not one's.
+
+The Ray actor wraps one of these; so does the in-process pool of one-process runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from producer.engines.base import Engine, EngineHealth, Generation, SamplingParams
+
+
+class EngineHost:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.model_step = 0
+        self.inflight = 0
+        self._open = asyncio.Event()  # cleared while a drain waits for in-flight requests
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._sync = asyncio.Lock()
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, request_id: str
+    ) -> list[Generation]:
+        await self._open.wait()
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            return await self.engine.generate(prompt_ids, params, n, request_id)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def sync_weights(self, model_step: int, path: str | None, mode: str) -> int:
+        """Move to ``model_step`` unless already there. drain: hold new requests until the
+        running ones finish on the old weights; abort / partial: abort the running ones
+        (they return what they have). Returns the engine's model step."""
+        async with self._sync:
+            if model_step <= self.model_step:
+                return self.model_step
+            if mode == "drain":
+                self._open.clear()
+                await self._idle.wait()
+            else:
+                await self.engine.abort(None)
+            try:
+                await self.engine.update_weights(model_step, path)
+                self.model_step = model_step
+            finally:
+                self._open.set()
+            return self.model_step
+
+    async def abort(self, request_ids: list[str] | None) -> int:
+        return await self.engine.abort(request_ids)
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, model_step: int, path: str | None = None) -> None:
+        await self.engine.update_weights(model_step, path)
+        self.model_step = model_step
+
+    async def health(self) -> EngineHealth:
+        return await self.engine.health()

@@ -1,0 +1,223 @@
+"""The produce loop: admit claims within the staleness bound, generate each group on the
+engine pool, follow weight syncs. Any number of producers run it, on any machines;
+they coordinate only through Redis.
+
+Admission (DESIGN.md, "Policy versions and staleness"): per task, a producer claims
+new work only while accepted + running < limit, checked atomically in Redis, with
+
+    async: limit = (model_step + stale_threshold) x batch + over_sample_budget
+    sync:  limit = (model_step + 1) x batch + over_sample_budget
+
+and in sync mode the groups still in flight once the batch is complete are aborted
+into the aborted pool. On a weight sync the producer stops claiming, has the engines
+move to the new step (drain, abort or partial: see EngineActor.sync_weights), and
+claims again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import redis
+
+from producer.allocation import allocate_batch_sizes, over_sample_budget
+from producer.filters import load_filter
+from producer.group import ABORTED, COMPLETED, GroupRunner
+from producer.judges.registry import load_judge
+from producer.judges.rq import RQJudge
+from producer.pool import EnginePool
+from producer.tokenizer import make_tokenizer
+from shared.buffer import Claim, ReplayBuffer, default_consumer_name
+from shared.events import WEIGHT_SYNC, RunControl
+from shared.settings import Settings
+
+POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class ProducerStats:
+    outcomes: dict[str, int] = field(default_factory=dict)
+    weight_syncs: int = 0
+    retries: int = 0
+    admission_waits: int = 0
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+
+class Producer:
+    def __init__(
+        self, settings: Settings, client: redis.Redis, pool: EnginePool, name: str | None = None
+    ) -> None:
+        self.settings = settings
+        self.name = name or default_consumer_name("producer")
+        self.buffer = ReplayBuffer(client, settings, self.name)
+        self.control = RunControl(client, self.buffer.keys)
+        self.pool = pool
+        p = settings.producer
+        rq_judge = RQJudge(client, p.judge, p.judge_timeout_s, settings.buffer.max_attempts - 1)
+        self.runner = GroupRunner(
+            settings,
+            self.buffer,
+            pool,
+            make_tokenizer(settings.engines),
+            load_judge(p.judge),
+            load_filter(p.is_valid),
+            rq_judge if p.judge_on_queue else None,
+        )
+        weights = {t.name: t.weight for t in settings.tasks}
+        self.batch = allocate_batch_sizes(settings.rollout.batch_size, weights)
+        self.model_step = 0
+        self.stats = ProducerStats()
+        self.inflight: dict[asyncio.Task[str], Claim] = {}
+        self._open = asyncio.Event()  # claiming allowed (cleared during a weight sync)
+        self._tail: dict[str, bool] = {t.name: False for t in settings.tasks}
+
+    async def run(self, stop: asyncio.Event | None = None, *, burst: bool = False) -> ProducerStats:
+        """Produce until ``stop`` is set, or, with ``burst``, until there is no work."""
+        stop = stop or asyncio.Event()
+        self.model_step = self.control.model_step()  # a late starter joins at the current step
+        await self.pool.sync_weights(
+            self.model_step, mode="abort", timeout_s=self.settings.producer.sync_timeout_s
+        )
+        self._open.set()
+        background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._follow_events())]
+        try:
+            while not stop.is_set():
+                await self._open.wait()
+                for claim in self.admit():
+                    self.inflight[asyncio.create_task(self.runner.run(claim))] = claim
+                await self.abort_leftovers()
+                if burst and not self.inflight and self.no_work_left():
+                    break
+                await self._settled(stop)
+        finally:
+            for task in background:
+                task.cancel()
+            await self._shutdown()
+        self.stats.retries = self.runner.retries
+        return self.stats
+
+    # --- admission ---------------------------------------------------------------------
+
+    def limit(self, task: str) -> int:
+        rollout = self.settings.rollout
+        batch = self.batch[task]
+        budget = 0 if self._tail[task] else over_sample_budget(batch, rollout.over_sample_threshold)
+        ahead = rollout.stale_threshold if rollout.mode == "async" else 1
+        return (self.model_step + ahead) * batch + budget
+
+    def admit(self) -> list[Claim]:
+        room = self.settings.producer.max_inflight - len(self.inflight)
+        claims: list[Claim] = []
+        for task in self.batch:
+            if room - len(claims) <= 0:
+                break
+            got = self.buffer.claim(
+                task, room - len(claims), include_expired=self._expired_first(task), limit=self.limit(task)
+            )
+            if not got and self.buffer.unclaimed(task) > 0:
+                self.stats.admission_waits += 1
+            claims += got
+        return claims
+
+    def _expired_first(self, task: str) -> bool:
+        """Tail-batch mode: -1 never re-rolls expired prompts, 0 at once, N once N wait;
+        then the expired pool goes first, without over-sampling, until it is empty."""
+        trigger = self.settings.rollout.tail_batch_trigger_size
+        if trigger <= 0:
+            return trigger == 0
+        waiting = int(self.buffer.client.xlen(self.buffer.keys.expired(task)))
+        self._tail[task] = waiting >= trigger or (self._tail[task] and waiting > 0)
+        return self._tail[task]
+
+    async def abort_leftovers(self) -> None:
+        """sync mode: once a task's batch is complete, what is still in flight goes back
+        to the aborted pool (its partial tokens with it, in partial mode)."""
+        if self.settings.rollout.mode != "sync" or not self.runner.inflight:
+            return
+        for task, batch in self.batch.items():
+            target = (self.model_step + 1) * batch
+            if self.buffer.admitted(task) - self._running(task) >= target:
+                ids = [rid for rid in self.runner.inflight if rid.startswith(f"{task}:")]
+                if ids:
+                    await self.pool.abort(ids)
+
+    def _running(self, task: str) -> int:
+        return sum(1 for c in self.inflight.values() if c.task == task)
+
+    def no_work_left(self) -> bool:
+        return all(
+            self.buffer.unclaimed(t) == 0 and self.buffer.client.xlen(self.buffer.keys.aborted(t)) == 0
+            for t in self.batch
+        )
+
+    async def _settled(self, stop: asyncio.Event) -> None:
+        """Wait for a group to finish, or a moment for new work or room."""
+        if self.inflight:
+            done, _ = await asyncio.wait(self.inflight, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                self.inflight.pop(task)
+                self.stats.count(task.result())
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), POLL_S)
+
+    # --- weight sync -------------------------------------------------------------------
+
+    async def _follow_events(self) -> None:
+        after = self.control.last_event_id()
+        while True:
+            events = await asyncio.to_thread(self.control.events, after, 1000)
+            for event in events:
+                after = event.id
+                if event.type == WEIGHT_SYNC and event.model_step > self.model_step:
+                    await self.sync_weights(event.model_step, event.uri or None)
+
+    async def sync_weights(self, model_step: int, uri: str | None) -> None:
+        """Stop claiming, move the engines to ``model_step`` the configured way, go on."""
+        self._open.clear()
+        try:
+            stuck = await self.pool.sync_weights(
+                model_step, uri, self.settings.rollout.on_weight_sync, self.settings.producer.sync_timeout_s
+            )
+            if stuck:
+                # engines that never confirmed: cancel what this producer has on them, so
+                # those groups come back aborted and are produced again on another engine
+                await self.pool.abort(list(self.runner.inflight))
+            self.model_step = model_step
+            self.stats.weight_syncs += 1
+        finally:
+            self._open.set()
+
+    # --- liveness ----------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        """Tell the run who is alive and on which step; keep held claims from being
+        reclaimed while their groups take long."""
+        while True:
+            self.control.heartbeat(self.name, self.model_step, len(self.inflight))
+            self.buffer.touch(c.entry for c in self.inflight.values())
+            await asyncio.sleep(self.settings.producer.heartbeat_s)
+
+    async def _shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop: let in-flight groups finish for a while, then abort the rest into the
+        aborted pool. Nothing is lost either way: an unsettled claim stays pending and
+        is reclaimed by another producer."""
+        if self.inflight:
+            _, pending = await asyncio.wait(self.inflight, timeout=grace_s)
+            if pending:
+                await self.pool.abort(list(self.runner.inflight))
+                await asyncio.wait(pending, timeout=grace_s)
+            for task in list(self.inflight):
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    self.stats.count(task.result())
+                else:
+                    task.cancel()
+                self.inflight.pop(task)
+        self.control.forget(self.name)
+
+
+__all__ = ["ABORTED", "COMPLETED", "Producer", "ProducerStats"]
