@@ -122,6 +122,37 @@ def engines(
     return 0
 
 
+def produce(settings: Settings, *, burst: bool, local_engines: bool, address: str | None) -> int:
+    """Run a producer until SIGTERM (or, with burst, until no work is left)."""
+    import asyncio
+    import signal
+
+    from producer.pool import BasePool, EnginePool, LocalPool, init_ray
+    from producer.worker import Producer
+
+    client = connect(settings.redis)
+    pool: BasePool
+    if local_engines:
+        pool = LocalPool.start(settings)
+    else:
+        init_ray(address)
+        pool = EnginePool.attach(settings)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        producer = Producer(settings, client, pool)
+        print(f"producer {producer.name} on run {settings.run!r} ({settings.rollout.mode})", flush=True)
+        stats = await producer.run(stop, burst=burst)
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "nothing"
+        print(f"producer {producer.name} stopped: {outcomes}; {stats.weight_syncs} weight syncs", flush=True)
+
+    asyncio.run(main())
+    return 0
+
+
 def example_prompts(path: Path, count: int) -> Path:
     """A small arithmetic prompt file with answers, for the demo."""
     rows = [

@@ -76,6 +76,12 @@ def cmd_engines(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_produce(args: argparse.Namespace) -> int:
+    from cli.commands import produce
+
+    return produce(_settings(args), burst=args.burst, local_engines=args.local_engines, address=args.address)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import demo
 
@@ -123,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--foreground", action="store_true", help="keep the engines tied to this process")
     p.add_argument("--stop", action="store_true", help="remove the run's engine actors")
     p.set_defaults(func=cmd_engines)
+
+    p = sub.add_parser("produce", help="claim prompts, generate groups on the engines, judge, append")
+    p.add_argument("--burst", action="store_true", help="exit when there is no work left")
+    p.add_argument("--local-engines", action="store_true", help="engines in this process, no Ray")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("demo", help="a first try in one process on an embedded Redis")
     p.add_argument("--prompts", type=int, default=64, help="prompts to feed")

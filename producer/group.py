@@ -20,7 +20,7 @@ import numpy as np
 from producer.engines.base import FINISH_ABORT, Generation, SamplingParams
 from producer.judges.base import Judge, JudgeError, apply_rewards
 from producer.judges.rq import RQJudge
-from producer.pool import EnginePool
+from producer.pool import BasePool
 from producer.tokenizer import Tokenizer
 from shared.buffer import Claim, ReplayBuffer
 from shared.records import Group, Sample, Status
@@ -39,7 +39,7 @@ class GroupRunner:
         self,
         settings: Settings,
         buffer: ReplayBuffer,
-        pool: EnginePool,
+        pool: BasePool,
         tokenizer: Tokenizer,
         judge: Judge,
         is_valid: Callable[[Group], bool],

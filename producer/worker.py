@@ -18,22 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import redis
 
 from producer.allocation import allocate_batch_sizes, over_sample_budget
 from producer.filters import load_filter
-from producer.group import ABORTED, COMPLETED, GroupRunner
+from producer.group import GroupRunner
 from producer.judges.registry import load_judge
 from producer.judges.rq import RQJudge
-from producer.pool import EnginePool
+from producer.pool import BasePool
 from producer.tokenizer import make_tokenizer
 from shared.buffer import Claim, ReplayBuffer, default_consumer_name
 from shared.events import WEIGHT_SYNC, RunControl
 from shared.settings import Settings
 
 POLL_S = 0.05
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -49,7 +51,7 @@ class ProducerStats:
 
 class Producer:
     def __init__(
-        self, settings: Settings, client: redis.Redis, pool: EnginePool, name: str | None = None
+        self, settings: Settings, client: redis.Redis, pool: BasePool, name: str | None = None
     ) -> None:
         self.settings = settings
         self.name = name or default_consumer_name("producer")
@@ -140,17 +142,18 @@ class Producer:
             return
         for task, batch in self.batch.items():
             target = (self.model_step + 1) * batch
-            if self.buffer.admitted(task) - self._running(task) >= target:
+            if self.buffer.accepted(task) >= target:
                 ids = [rid for rid in self.runner.inflight if rid.startswith(f"{task}:")]
                 if ids:
                     await self.pool.abort(ids)
 
-    def _running(self, task: str) -> int:
-        return sum(1 for c in self.inflight.values() if c.task == task)
-
     def no_work_left(self) -> bool:
+        """Nothing to claim, and nothing claimed by anyone: a dead producer's claims are
+        work that comes back once they are idle long enough to reclaim."""
         return all(
-            self.buffer.unclaimed(t) == 0 and self.buffer.client.xlen(self.buffer.keys.aborted(t)) == 0
+            self.buffer.unclaimed(t) == 0
+            and self.buffer.client.xlen(self.buffer.keys.aborted(t)) == 0
+            and self.buffer.running(t) == 0
             for t in self.batch
         )
 
@@ -159,8 +162,13 @@ class Producer:
         if self.inflight:
             done, _ = await asyncio.wait(self.inflight, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                self.inflight.pop(task)
-                self.stats.count(task.result())
+                claim = self.inflight.pop(task)
+                if task.exception() is not None:
+                    # unsettled: the claim stays pending and is reclaimed, counted as a delivery
+                    log.error("group %s failed: %r", claim.group_id, task.exception())
+                    self.stats.count("error")
+                else:
+                    self.stats.count(task.result())
         else:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), POLL_S)
@@ -218,6 +226,3 @@ class Producer:
                     task.cancel()
                 self.inflight.pop(task)
         self.control.forget(self.name)
-
-
-__all__ = ["ABORTED", "COMPLETED", "Producer", "ProducerStats"]

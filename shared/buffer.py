@@ -234,17 +234,24 @@ class ReplayBuffer:
     def _room(self, task: str, limit: int) -> int:
         return limit - self.admitted(task)
 
-    def admitted(self, task: str) -> int:
-        """accepted + running of the task, as the admission bound counts them."""
+    def accepted(self, task: str) -> int:
+        """Groups of the task that can still be trained on: completed, less expired ones."""
         counts = self.client.hmget(
             self.keys.progress, [progress_field(task, c) for c in ("completed", "expired", "expired_dropped")]
         )
         completed, expired, dropped = (int(c or 0) for c in counts)
+        return completed - expired - dropped
+
+    def running(self, task: str) -> int:
+        """Work of the task claimed by producers and not yet settled."""
         pipe = self.client.pipeline(transaction=False)
         for kind in POOLS:
             pipe.xpending(self.keys.stream(kind, task), PRODUCERS)
-        running = sum(int(p["pending"]) for p in pipe.execute())
-        return completed - expired - dropped + running
+        return sum(int(p["pending"]) for p in pipe.execute())
+
+    def admitted(self, task: str) -> int:
+        """accepted + running of the task, as the admission bound counts them."""
+        return self.accepted(task) + self.running(task)
 
     def _claims(self, entries: list[Entry]) -> list[Claim]:
         out = []

@@ -1,0 +1,108 @@
+"""`rollstream produce` as processes on one run: killed with SIGKILL mid-batch, and two
+at once. Nothing is lost, nothing is produced twice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import redis
+
+from shared.embedded import EmbeddedRedis
+from shared.keys import Keys
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def producer_env(url: str, run: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "ROLLSTREAM_REDIS__URL": url,
+        "ROLLSTREAM_RUN": run,
+        "ROLLSTREAM_TASKS": '[{"name": "math", "n": 2}]',
+        "ROLLSTREAM_BUFFER__CLAIM_IDLE_MS": "1500",
+        "ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION": "5",
+        "ROLLSTREAM_ENGINES__SIM__MEDIAN_TOKENS": "300",
+        "ROLLSTREAM_ROLLOUT__BATCH_SIZE": "1000",
+        "ROLLSTREAM_PRODUCER__IS_VALID": "keep_all",
+        "ROLLSTREAM_PRODUCER__MAX_INFLIGHT": "8",
+        "ROLLSTREAM_PRODUCER__HEARTBEAT_S": "0.2",
+    }
+
+
+def rollstream(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+def feed(env: dict[str, str], tmp_path: object, count: int) -> None:
+    path = os.path.join(str(tmp_path), "p.jsonl")
+    with open(path, "w") as handle:
+        for i in range(count):
+            handle.write(f'{{"uid": "q{i}", "prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n')
+    done = subprocess.run(rollstream("feed", path, "--task", "math"), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def group_uids(client: redis.Redis, run: str) -> list[str]:
+    return [f[b"group_id"].decode() for _, f in client.xrange(Keys(run).groups("math"))]
+
+
+def test_a_producer_killed_mid_batch_loses_no_prompt(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: object
+) -> None:
+    env = producer_env(redis_server.url, run_name)
+    client = redis.Redis.from_url(redis_server.url)
+    feed(env, tmp_path, 30)
+    keys = Keys(run_name)
+    with subprocess.Popen(rollstream("produce", "--local-engines"), env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE) as doomed:  # fmt: skip
+        # Given a producer in the middle of its work: some groups done, some claimed
+        wait_for(lambda: client.xlen(keys.groups("math")) >= 3, timeout=60)
+        assert client.xpending(keys.prompts("math"), "producers")["pending"] > 0
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+    # When another producer works in burst mode
+    survivor = subprocess.run(
+        rollstream("produce", "--local-engines", "--burst"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert survivor.returncode == 0, survivor.stderr[-2000:]
+    # Then every fed prompt is in exactly one group
+    uids = Counter(group_uids(client, run_name))
+    assert set(uids) == {f"math:q{i}" for i in range(30)}
+    assert max(uids.values()) == 1
+    assert client.xlen(keys.prompts("math")) == 0
+
+
+def test_two_producers_share_a_run_without_duplicates(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: object
+) -> None:
+    env = producer_env(redis_server.url, run_name)
+    client = redis.Redis.from_url(redis_server.url)
+    feed(env, tmp_path, 40)
+    procs = [
+        subprocess.Popen(
+            rollstream("produce", "--local-engines", "--burst"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outputs]
+    uids = Counter(group_uids(client, run_name))
+    assert len(uids) == 40 and max(uids.values()) == 1
+    completed = [int(out.split("completed ")[1].split(",")[0].split(";")[0]) for out, _ in outputs]
+    assert sum(completed) == 40
+    assert all(c > 0 for c in completed)  # both did work
+    assert client.hget(Keys(run_name).progress, "math:completed") == b"40"

@@ -1,0 +1,179 @@
+"""The producer on a real redis-server with simulated engines in this process
+(the Ray pool has its own tests): admission, sync targets, weight-sync modes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from producer.pool import LocalPool
+from producer.worker import Producer
+from shared.embedded import EmbeddedRedis
+from shared.events import WEIGHT_SYNC
+from shared.settings import Settings, load_settings
+from tests.helpers import prompts
+
+pytestmark = pytest.mark.integration
+
+ProducerFactory = Callable[..., Producer]
+
+
+def settings_for(url: str, run: str, **overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "run": run,
+        "redis": {"url": url},
+        "tasks": [{"name": "math", "n": 2}],
+        "buffer": {"claim_idle_ms": 5000, "max_attempts": 3},
+        "engines": {"count": 2, "sim": {"time_compression": 50.0, "median_tokens": 100, "sigma": 0.5}},
+        "rollout": {"mode": "async", "batch_size": 4, "max_staleness": 0},
+        "producer": {"max_tokens": 400, "is_valid": "keep_all", "heartbeat_s": 0.2, "max_inflight": 16},
+    }
+    for key, value in overrides.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+    return load_settings(**base)
+
+
+@pytest.fixture
+def make_producer(redis_server: EmbeddedRedis, run_name: str) -> ProducerFactory:
+    def make(name: str = "p1", **overrides: Any) -> Producer:
+        settings = settings_for(redis_server.url, run_name, **overrides)
+        return Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings), name)
+
+    return make
+
+
+def watch_admissions(producer: Producer) -> list[tuple[int, int]]:
+    """(admitted, limit) after every claim the producer makes."""
+    seen: list[tuple[int, int]] = []
+    claim = producer.buffer.claim
+
+    def checked(task: str, *args: Any, **kwargs: Any) -> Any:
+        got = claim(task, *args, **kwargs)
+        if got:
+            seen.append((producer.buffer.admitted(task), kwargs["limit"]))
+        return got
+
+    producer.buffer.claim = checked  # type: ignore[method-assign]
+    return seen
+
+
+def test_async_never_admits_past_the_bound_with_a_slow_trainer(make_producer: ProducerFactory) -> None:
+    producer = make_producer()
+    trainer = make_producer("t").buffer  # a trainer's view of the same run
+    producer.buffer.feed(prompts("math", 40))
+    seen = watch_admissions(producer)
+    staleness: list[int] = []
+
+    async def slow_trainer(stop: asyncio.Event) -> None:
+        for step in range(1, 5):
+            batch = trainer.read_batch("math", 4)
+            while len(batch) < 4:
+                await asyncio.sleep(0.02)
+                batch.items += trainer.read_batch("math", 4 - len(batch)).items
+            staleness.extend(step - g.model_step - 1 for g in batch.groups)
+            await asyncio.sleep(0.3)  # a train step much slower than generation
+            trainer.commit(batch)
+            producer.control.publish(WEIGHT_SYNC, step)
+        stop.set()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        await asyncio.gather(producer.run(stop), slow_trainer(stop))
+
+    asyncio.run(main())
+    assert seen and all(admitted <= limit for admitted, limit in seen), seen
+    assert max(limit for _, limit in seen) >= 12  # the bound moved with the weight syncs
+    assert staleness and max(staleness) < 1  # max_staleness 0: nothing trained stale
+    assert producer.stats.weight_syncs >= 3
+
+
+def test_sync_produces_the_batch_plus_budget_then_stops(make_producer: ProducerFactory) -> None:
+    producer = make_producer(rollout={"mode": "sync", "batch_size": 8, "over_sample_threshold": 0.25})
+    producer.buffer.feed(prompts("math", 40))
+    seen = watch_admissions(producer)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(producer.run(stop))
+        await asyncio.sleep(1.5)  # no trainer asks for the next step
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    accepted = producer.buffer.accepted("math")
+    assert 8 <= accepted <= 10  # the batch, at most the budget of 2 more
+    assert all(admitted <= 10 for admitted, _ in seen)
+    assert producer.buffer.running("math") == 0  # leftovers went back to the aborted pool
+    waiting = producer.buffer.unclaimed("math") + producer.buffer.client.xlen(
+        producer.buffer.keys.aborted("math")
+    )
+    assert waiting + accepted == 40  # nothing lost, nothing produced past the budget
+
+
+def run_with_sync_midway(producer: Producer, delay_s: float = 0.08) -> None:
+    async def main() -> None:
+        task = asyncio.create_task(producer.run(burst=True))
+        await asyncio.sleep(delay_s)
+        producer.control.publish(WEIGHT_SYNC, 1)
+        await task
+
+    asyncio.run(main())
+
+
+LONG = {
+    "engines": {"count": 1, "sim": {"time_compression": 4.0, "median_tokens": 1e6, "speed_tps": 1000}},
+    "producer": {"max_tokens": 1200},
+}
+
+
+def trained_groups(producer: Producer) -> list[Any]:
+    return producer.buffer.read_batch("math", 100).groups
+
+
+def test_partial_rollout_continues_on_the_new_weights(make_producer: ProducerFactory) -> None:
+    producer = make_producer(rollout={"on_weight_sync": "partial"}, **LONG)
+    producer.buffer.feed(prompts("math", 1))
+    run_with_sync_midway(producer)
+    (group,) = trained_groups(producer)
+    for sample in group.samples:
+        versions = sample.response_versions
+        assert set(np.unique(versions).tolist()) == {0, 1}  # spans both steps
+        assert np.all(np.diff(versions) >= 0)
+        assert len(sample.response_ids) <= 1200
+    assert producer.stats.outcomes.get("aborted") == 1
+
+
+def test_abort_mode_regenerates_from_the_prompt(make_producer: ProducerFactory) -> None:
+    producer = make_producer(rollout={"on_weight_sync": "abort"}, **LONG)
+    producer.buffer.feed(prompts("math", 1))
+    run_with_sync_midway(producer)
+    (group,) = trained_groups(producer)
+    assert all(set(s.response_versions.tolist()) == {1} for s in group.samples)
+    assert all(len(s.response_ids) == 1200 for s in group.samples)
+
+
+def test_drain_mode_finishes_on_the_old_weights(make_producer: ProducerFactory) -> None:
+    producer = make_producer(rollout={"on_weight_sync": "drain"}, **LONG)
+    producer.buffer.feed(prompts("math", 2))
+    run_with_sync_midway(producer)
+    groups = trained_groups(producer)
+    assert len(groups) == 2
+    for group in groups:
+        for sample in group.samples:
+            assert len(set(sample.response_versions.tolist())) == 1  # one version per sample
+    assert producer.stats.outcomes.get("aborted") is None
+
+
+def test_engine_failures_are_retried_then_dead_lettered(make_producer: ProducerFactory) -> None:
+    producer = make_producer(engines={"sim": {"failure_rate": 1.0}}, buffer={"max_attempts": 2})
+    producer.buffer.feed(prompts("math", 2))
+    asyncio.run(producer.run(burst=True))
+    assert producer.stats.outcomes == {"failed": 2}
+    dead = producer.buffer.client.xrange(producer.buffer.keys.dead)
+    assert len(dead) == 2
+    assert all(b"2 attempts" in fields[b"reason"] and b"simulated" in fields[b"reason"] for _, fields in dead)
