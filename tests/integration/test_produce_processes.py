@@ -95,7 +95,7 @@ def test_two_producers_share_a_run_without_duplicates(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
