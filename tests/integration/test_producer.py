@@ -177,3 +177,34 @@ def test_engine_failures_are_retried_then_dead_lettered(make_producer: ProducerF
     dead = producer.buffer.client.xrange(producer.buffer.keys.dead)
     assert len(dead) == 2
     assert all(b"2 attempts" in fields[b"reason"] and b"simulated" in fields[b"reason"] for _, fields in dead)
+
+
+def test_a_hung_judge_is_killed_at_its_timeout_retried_then_dead_lettered(
+    make_producer: ProducerFactory, redis_server: EmbeddedRedis
+) -> None:
+    import subprocess
+    import time
+
+    from tests.integration.test_judge_rq import ROOT, THIS, worker_command, worker_env
+
+    producer = make_producer(
+        buffer={"max_attempts": 2},
+        producer={"judge": f"{THIS}:sleep_forever", "judge_on_queue": True, "judge_timeout_s": 1.0},
+    )
+    producer.buffer.feed(prompts("math", 1))
+    # a worker that serves the judge queue (rq retries the killed job once: max_attempts 2)
+    command = [c for c in worker_command(redis_server.url, "judge") if c != "--burst"]  # serve until killed
+    worker = subprocess.Popen(
+        command, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        started = time.monotonic()
+        asyncio.run(producer.run(burst=True))
+        took = time.monotonic() - started
+    finally:
+        worker.kill()
+        worker.wait()
+    assert producer.stats.outcomes == {"failed": 1}
+    ((_, dead),) = producer.buffer.client.xrange(producer.buffer.keys.dead)
+    assert b"judge failed" in dead[b"reason"] and b"timed out" in dead[b"reason"]
+    assert took < 30  # killed at the timeout, not waited on

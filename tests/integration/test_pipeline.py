@@ -1,0 +1,104 @@
+"""The processes of a run together: engines on Ray, two `rollstream produce` processes
+attached to them, and a trainer (this test) reading batches and publishing weights
+for several steps. No prompt is lost and none is trained twice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import ray
+import redis
+
+from producer.pool import EnginePool
+from shared.buffer import Batch, ReplayBuffer
+from shared.embedded import EmbeddedRedis
+from shared.events import WEIGHT_SYNC, RunControl
+from shared.settings import load_settings
+from tests.helpers import prompts
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
+
+STEPS, BATCH, FED = 5, 4, 40
+THRESHOLD = 2  # (max_staleness 1 + 1) x sync every step
+
+
+def test_feed_engines_two_producers_and_a_trainer_run_async_steps(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    env = {
+        **os.environ,
+        "ROLLSTREAM_REDIS__URL": redis_server.url,
+        "ROLLSTREAM_RUN": run_name,
+        "ROLLSTREAM_TASKS": '[{"name": "math", "n": 4}]',
+        "ROLLSTREAM_ENGINES__COUNT": "2",
+        "ROLLSTREAM_ENGINES__NUM_CPUS": "0",
+        "ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION": "20",
+        "ROLLSTREAM_ENGINES__SIM__MEDIAN_TOKENS": "200",
+        "ROLLSTREAM_ROLLOUT__BATCH_SIZE": str(BATCH),
+        "ROLLSTREAM_ROLLOUT__MAX_STALENESS": "1",
+        "ROLLSTREAM_PRODUCER__IS_VALID": "keep_all",
+        "ROLLSTREAM_PRODUCER__HEARTBEAT_S": "0.2",
+    }
+    settings = load_settings(
+        run=run_name,
+        redis={"url": redis_server.url},
+        tasks=[{"name": "math", "n": 4}],
+        engines={"count": 2, "num_cpus": 0, "sim": {"time_compression": 20.0, "median_tokens": 200}},
+    )
+    client = redis.Redis.from_url(redis_server.url)
+    trainer = ReplayBuffer(client, settings, "trainer")
+    control = RunControl(client, trainer.keys)
+    trainer.feed(prompts("math", FED))
+    EnginePool.start(settings)
+    address = ray.get_runtime_context().gcs_address
+    producers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "produce", "--address", address],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    trained: list[str] = []
+    expired = 0
+    try:
+        for step in range(1, STEPS + 1):
+            batch = Batch("math")
+            deadline = time.monotonic() + 60
+            while len(batch) < BATCH and time.monotonic() < deadline:
+                for item in trainer.read_batch("math", BATCH - len(batch), block_ms=200).items:
+                    # a partial rollout keeps its oldest tokens' step: expiry is the safety net
+                    if step - item.group.model_step - 1 >= THRESHOLD:
+                        assert trainer.expire(item) is not None
+                        expired += 1
+                    else:
+                        batch.items.append(item)
+            assert len(batch) == BATCH, f"step {step}: {len(batch)} groups"
+            trained += [g.group_id for g in batch.groups]
+            assert trainer.commit(batch) == []
+            control.publish(WEIGHT_SYNC, step)
+        live = control.producers(max_age_s=5)
+        assert len(live) == 2
+    finally:
+        for proc in producers:
+            proc.send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=60) for p in producers]
+        EnginePool.stop(settings)
+    assert all(p.returncode == 0 for p in producers), [o[1][-1500:] for o in outs]
+    assert all("stopped:" in out for out, _ in outs)
+    # every prompt: trained once, or produced and waiting, or back in a pool — none lost
+    assert max(Counter(trained).values()) == 1
+    waiting = [f[b"group_id"].decode() for _, f in client.xrange(trainer.keys.groups("math"))]
+    pools = sum(client.xlen(trainer.keys.stream(k, "math")) for k in ("prompts", "aborted", "expired"))
+    assert len(trained) == STEPS * BATCH
+    assert len(set(trained) | set(waiting)) == len(trained) + len(waiting)
+    assert len(trained) + len(waiting) + pools == FED  # expired prompts are back in their pool
+    assert client.hget(trainer.keys.progress, "math:expired") == (str(expired).encode() if expired else None)
