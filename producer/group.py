@@ -14,6 +14,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +29,22 @@ from shared.settings import Settings
 
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
 DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
+
+
+@dataclass(slots=True)
+class Window:
+    groups: int = 0
+    tokens: int = 0
+    reward_sum: float = 0.0
+    rewards: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, group: Group) -> None:
+        self.groups += 1
+        self.tokens += group.response_tokens
+        scores = [s.score for s in group.samples if s.score is not None]
+        self.reward_sum += sum(scores)
+        self.rewards += len(scores)
 
 
 class GroupFailed(Exception):
@@ -55,6 +72,7 @@ class GroupRunner:
         self.recent_s: deque[float] = deque(maxlen=64)
         self.inflight: set[str] = set()  # request ids, for aborts
         self.retries = 0
+        self.window = Window()  # what completed groups brought since the last metrics record
 
     async def run(self, claim: Claim) -> str:
         """claim -> generate -> judge -> filter -> complete."""
@@ -79,7 +97,10 @@ class GroupRunner:
         if not self.is_valid(group):
             return FILTERED if self.buffer.drop(claim) else FENCED
         self.recent_s.append(time.monotonic() - started)
-        return COMPLETED if self.buffer.complete(claim, group) is not None else FENCED
+        if self.buffer.complete(claim, group) is None:
+            return FENCED
+        self.window.add(group)
+        return COMPLETED
 
     # --- generate ----------------------------------------------------------------------
 

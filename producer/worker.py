@@ -19,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
 from producer.allocation import allocate_batch_sizes, over_sample_budget
 from producer.filters import load_filter
-from producer.group import GroupRunner
+from producer.group import ABORTED, FAILED, FILTERED, GroupRunner, Window
 from producer.judges.registry import load_judge
 from producer.judges.rq import RQJudge
 from producer.pool import BasePool
@@ -35,6 +37,7 @@ from shared.events import WEIGHT_SYNC, RunControl
 from shared.settings import Settings
 
 POLL_S = 0.05
+METRICS_CAP = 100_000
 log = logging.getLogger(__name__)
 
 
@@ -99,6 +102,7 @@ class Producer:
             for task in background:
                 task.cancel()
             await self._shutdown()
+            await self.record_metrics()
         self.stats.retries = self.runner.retries
         return self.stats
 
@@ -195,10 +199,34 @@ class Producer:
                 # engines that never confirmed: cancel what this producer has on them, so
                 # those groups come back aborted and are produced again on another engine
                 await self.pool.abort(list(self.runner.inflight))
+            await self.record_metrics()
             self.model_step = model_step
             self.stats.weight_syncs += 1
         finally:
             self._open.set()
+
+    async def record_metrics(self) -> None:
+        """One record per model step in the run's metrics stream (capped)."""
+        window, self.runner.window = self.runner.window, Window()
+        elapsed = max(1e-9, time.monotonic() - window.started)
+        busy = [h.busy_fraction for h in await self.pool.health() if h is not None]
+        outcomes = self.stats.outcomes
+        record: dict[Any, Any] = {
+            "producer": self.name,
+            "model_step": self.model_step,
+            "groups": window.groups,
+            "tokens": window.tokens,
+            "groups_per_s": round(window.groups / elapsed, 3),
+            "tokens_per_s": round(window.tokens / elapsed, 1),
+            "reward_mean": round(window.reward_sum / window.rewards, 4) if window.rewards else "",
+            "filtered": outcomes.get(FILTERED, 0),
+            "aborted": outcomes.get(ABORTED, 0),
+            "failed": outcomes.get(FAILED, 0),
+            "retried": self.runner.retries,
+            "admission_waits": self.stats.admission_waits,
+            "engine_busy": round(sum(busy) / len(busy), 3) if busy else "",
+        }
+        self.buffer.client.xadd(self.buffer.keys.metrics, record, maxlen=METRICS_CAP, approximate=True)
 
     # --- liveness ----------------------------------------------------------------------
 

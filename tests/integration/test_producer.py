@@ -208,3 +208,14 @@ def test_a_hung_judge_is_killed_at_its_timeout_retried_then_dead_lettered(
     ((_, dead),) = producer.buffer.client.xrange(producer.buffer.keys.dead)
     assert b"judge failed" in dead[b"reason"] and b"timed out" in dead[b"reason"]
     assert took < 30  # killed at the timeout, not waited on
+
+
+def test_each_model_step_leaves_a_metrics_record(make_producer: ProducerFactory) -> None:
+    producer = make_producer(producer={"is_valid": "nonzero_reward_std"})
+    producer.buffer.feed(prompts("math", 12))
+    run_with_sync_midway(producer, delay_s=0.02)
+    records = [f for _, f in producer.buffer.client.xrange(producer.buffer.keys.metrics)]
+    assert [r[b"model_step"] for r in records] == [b"0", b"1"]  # at the sync, and at the end
+    assert sum(int(r[b"groups"]) for r in records) == producer.stats.outcomes.get("completed", 0)
+    assert all(float(r[b"engine_busy"]) >= 0 for r in records)
+    assert int(records[-1][b"filtered"]) == producer.stats.outcomes.get("filtered", 0)
