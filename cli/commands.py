@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import orjson
 from tqdm import tqdm
@@ -145,12 +146,34 @@ def produce(settings: Settings, *, burst: bool, local_engines: bool, address: st
             loop.add_signal_handler(sig, stop.set)
         producer = Producer(settings, client, pool)
         print(f"producer {producer.name} on run {settings.run!r} ({settings.rollout.mode})", flush=True)
-        stats = await producer.run(stop, burst=burst)
+        progress = asyncio.create_task(show_progress(producer))
+        try:
+            stats = await producer.run(stop, burst=burst)
+        finally:
+            progress.cancel()
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "nothing"
         print(f"producer {producer.name} stopped: {outcomes}; {stats.weight_syncs} weight syncs", flush=True)
 
     asyncio.run(main())
     return 0
+
+
+async def show_progress(producer: Any, every_s: float = 0.5) -> None:
+    """A bar per task: accepted groups toward the current admission limit."""
+    import asyncio
+
+    bars = {task: tqdm(desc=task, unit="group", leave=False) for task in producer.batch}
+    try:
+        while True:
+            for task, bar in bars.items():
+                bar.total = producer.limit(task)
+                bar.n = producer.buffer.accepted(task)
+                bar.set_postfix(step=producer.model_step, inflight=len(producer.inflight), refresh=False)
+                bar.refresh()
+            await asyncio.sleep(every_s)
+    finally:
+        for bar in bars.values():
+            bar.close()
 
 
 def example_prompts(path: Path, count: int) -> Path:
