@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from producer.allocation import allocate_batch_sizes, over_sample_budget
-from producer.filters import load_filter
+from producer.filters import load_filter, load_should_continue
 from producer.group import ABORTED, FAILED, FILTERED, GroupRunner, Window
 from producer.judges.registry import load_judge
 from producer.judges.rq import RQJudge
@@ -74,6 +74,7 @@ class Producer:
         )
         weights = {t.name: t.weight for t in settings.tasks}
         self.batch = allocate_batch_sizes(settings.rollout.batch_size, weights)
+        self._should_continue = load_should_continue(p.should_continue)
         self.model_step = 0
         self.stats = ProducerStats()
         self.inflight: dict[asyncio.Task[str], Claim] = {}
@@ -121,6 +122,8 @@ class Producer:
         for task in self.batch:
             if room - len(claims) <= 0:
                 break
+            if not self.should_continue(task):
+                continue
             got = self.buffer.claim(
                 task, room - len(claims), include_expired=self._expired_first(task), limit=self.limit(task)
             )
@@ -128,6 +131,13 @@ class Producer:
                 self.stats.admission_waits += 1
             claims += got
         return claims
+
+    def should_continue(self, task: str) -> bool:
+        """sync mode asks the should_continue plug-in (default: accepted < the batch's
+        target); async mode keeps going within the admission bound."""
+        if self.settings.rollout.mode != "sync":
+            return True
+        return self._should_continue(self.buffer.accepted(task), (self.model_step + 1) * self.batch[task])
 
     def _expired_first(self, task: str) -> bool:
         """Tail-batch mode: -1 never re-rolls expired prompts, 0 at once, N once N wait;

@@ -160,6 +160,7 @@ class ProducerSettings(BaseModel):
     judge_on_queue: bool = Field(default=False, description="run the judge as rq jobs on the judge queue")
     judge_timeout_s: float = Field(default=60.0, gt=0)
     is_valid: str = Field(default="nonzero_reward_std", description="group filter, built-in or dotted path")
+    should_continue: str = Field(default="below_target", description="sync mode: keep producing a batch?")
     group_timeout_s: float = Field(default=0.0, ge=0, description="per-attempt timeout; 0 = dynamic")
     timeout_ratio: float = Field(default=4.0, gt=1, description="dynamic timeout = ratio x mean group time")
     heartbeat_s: float = Field(default=2.0, gt=0)

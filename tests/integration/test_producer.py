@@ -219,3 +219,24 @@ def test_each_model_step_leaves_a_metrics_record(make_producer: ProducerFactory)
     assert sum(int(r[b"groups"]) for r in records) == producer.stats.outcomes.get("completed", 0)
     assert all(float(r[b"engine_busy"]) >= 0 for r in records)
     assert int(records[-1][b"filtered"]) == producer.stats.outcomes.get("filtered", 0)
+
+
+def never(completed: int, target: int) -> bool:
+    return False
+
+
+def test_sync_asks_the_should_continue_plug_in(make_producer: ProducerFactory) -> None:
+    producer = make_producer(
+        rollout={"mode": "sync", "batch_size": 8},
+        producer={"should_continue": "tests.integration.test_producer:never"},
+    )
+    producer.buffer.feed(prompts("math", 10))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        await producer.run(stop)
+
+    asyncio.run(main())
+    assert producer.buffer.accepted("math") == 0
+    assert producer.buffer.unclaimed("math") == 10
