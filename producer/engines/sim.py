@@ -114,6 +114,11 @@ class SimEngine:
         self._poke()
         try:
             return list(await asyncio.gather(*(r.future for r in requests)))
+        except asyncio.CancelledError:
+            for request in requests:  # a cancelled caller's requests must not go on decoding
+                self._drop(request)
+            self._poke()
+            raise
         finally:
             self._groups.pop(group, None)
 

@@ -240,3 +240,26 @@ def test_sync_asks_the_should_continue_plug_in(make_producer: ProducerFactory) -
     asyncio.run(main())
     assert producer.buffer.accepted("math") == 0
     assert producer.buffer.unclaimed("math") == 10
+
+
+def test_attempts_past_the_group_timeout_are_aborted_and_retried(make_producer: ProducerFactory) -> None:
+    producer = make_producer(
+        buffer={"max_attempts": 2},
+        producer={"group_timeout_s": 0.1, "max_tokens": 1200},
+        engines={"count": 2, "sim": {"time_compression": 1.0, "median_tokens": 1e6}},  # 1.2 s a group
+    )
+    producer.buffer.feed(prompts("math", 1))
+    asyncio.run(producer.run(burst=True))
+    assert producer.stats.outcomes == {"failed": 1}
+    assert producer.runner.retries == 2
+    ((_, dead),) = producer.buffer.client.xrange(producer.buffer.keys.dead)
+    assert b"timed out after 0.1 s" in dead[b"reason"]
+    health = asyncio.run(producer.pool.health())
+    assert all(h is not None and h.outstanding == 0 for h in health)  # the engines were told to stop
+
+
+def test_dynamic_timeout_follows_recent_group_times(make_producer: ProducerFactory) -> None:
+    runner = make_producer(producer={"group_timeout_s": 0, "timeout_ratio": 3}).runner
+    assert runner.timeout_s() is None  # not enough seen yet
+    runner.recent_s.extend([1.0, 2.0, 3.0] * 3)
+    assert runner.timeout_s() == pytest.approx(6.0)

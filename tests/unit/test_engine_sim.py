@@ -177,3 +177,16 @@ def test_failure_rate_fails_requests() -> None:
             await sim.generate([1], SamplingParams(max_tokens=10))
 
     asyncio.run(main())
+
+
+def test_a_cancelled_generate_stops_its_requests() -> None:
+    async def main() -> int:
+        sim = engine()
+        task = asyncio.create_task(sim.generate([1], exactly(1000), n=3))
+        await asyncio.sleep(0.1 / COMPRESSION)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return (await sim.health()).outstanding
+
+    assert asyncio.run(main()) == 0
