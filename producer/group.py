@@ -161,7 +161,8 @@ class GroupRunner:
             call = self.pool.generate(prompt_ids, params, n, request_id, avoid)
             timeout = self.timeout_s()
             try:
-                result = await asyncio.wait_for(call, timeout) if timeout else await call
+                async with asyncio.timeout(timeout):  # not wait_for: see SimEngine._run
+                    result = await call
             except TimeoutError:
                 await self.pool.abort([request_id])
                 raise _AttemptFailed(self.pool.pick(avoid), f"timed out after {timeout:.1f} s") from None

@@ -185,7 +185,8 @@ class Producer:
                     self.stats.count(task.result())
         else:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), POLL_S)
+                async with asyncio.timeout(POLL_S):  # not wait_for: see SimEngine._run
+                    await stop.wait()
 
     # --- weight sync -------------------------------------------------------------------
 

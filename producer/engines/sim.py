@@ -272,5 +272,8 @@ class SimEngine:
             delay = self._next_event()
             self._wake.clear()
             timeout = None if delay is None else delay / self.settings.time_compression
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+            # that lands as the wait ends, and this loop would then never stop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
