@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from producer.allocation import allocate_batch_sizes, over_sample_budget
+from shared.allocation import allocate_batch_sizes, over_sample_budget
 from producer.filters import load_filter, load_should_continue
 from producer.group import ABORTED, FAILED, FILTERED, GroupRunner, Window
 from producer.judges.registry import load_judge

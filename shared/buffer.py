@@ -117,9 +117,14 @@ class ReplayBuffer:
         self.streams.ensure(task)
 
     def _settle(
-        self, entry: Entry, dest: str | None, fields: dict[str, Any] | None, counter: str
+        self,
+        entry: Entry,
+        dest: str | None,
+        fields: dict[str, Any] | None,
+        counter: str,
+        more: dict[str, float] | None = None,
     ) -> str | None:
-        return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter))
+        return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more)
 
     # --- feeding ---------------------------------------------------------------------
 
@@ -276,7 +281,14 @@ class ReplayBuffer:
         if status is not Status.COMPLETED:
             raise ReplayBufferError(f"only a completed group enters the buffer, not {status.value}")
         fields = codec.encode_group(group)
-        return self._settle(claim.entry, self.keys.groups(claim.task), fields, "completed")
+        scores = [s.score for s in group.samples if s.score is not None]
+        produced: dict[str, float] = {
+            progress_field(claim.task, "produced_samples"): group.n,
+            progress_field(claim.task, "produced_tokens"): group.response_tokens,
+            progress_field(claim.task, "reward_count"): len(scores),
+            progress_field(claim.task, "reward_sum"): float(sum(scores)),
+        }
+        return self._settle(claim.entry, self.keys.groups(claim.task), fields, "completed", produced)
 
     def abort(self, claim: Claim, partial: Sequence[Sample] = (), *, model_step: int = -1) -> str | None:
         """Send a claim back to the aborted pool, with any partial samples to continue."""

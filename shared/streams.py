@@ -106,11 +106,17 @@ class ConsumerStreams:
         return self.client.xreadgroup(group, self.consumer, streams, count=count, block=block_ms or None)
 
     def settle(
-        self, entry: Entry, dest: str | None, fields: dict[str, Any] | None, progress_field: str
+        self,
+        entry: Entry,
+        dest: str | None,
+        fields: dict[str, Any] | None,
+        progress_field: str,
+        more: dict[str, float] | None = None,
     ) -> str | None:
         """Ack + delete a held entry, first appending ``fields`` to ``dest`` if given;
-        count it in ``progress_field``. Returns the new entry's id ("OK" without a
-        destination), or None, with nothing written, when the entry is not ours."""
+        count it in ``progress_field`` (and add ``more`` to other progress fields).
+        Returns the new entry's id ("OK" without a destination), or None, with nothing
+        written, when the entry is not ours."""
         group = GROUP_OF_KIND[entry.kind]
         fence = self.keys.fence(entry.stream)
         gate = (
@@ -128,6 +134,9 @@ class ConsumerStreams:
             ("XDEL", entry.stream, entry.id),
             ("HINCRBY", self.keys.progress, progress_field, 1),
         ]
+        for name, amount in (more or {}).items():
+            command = "HINCRBY" if isinstance(amount, int) else "HINCRBYFLOAT"
+            writes.append((command, self.keys.progress, name, amount))
         while True:
             replies = self.round_trip([("WATCH", fence), gate, ("MULTI",), *writes, ("EXEC",)])
             verdict, done = replies[1], replies[-1]
