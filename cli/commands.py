@@ -158,6 +158,26 @@ def produce(settings: Settings, *, burst: bool, local_engines: bool, address: st
     return 0
 
 
+def train(settings: Settings, *, steps: int, step_time_s: float, consumer: str) -> int:
+    """The reference trainer for ``steps`` steps, a line per step and a tqdm bar."""
+    from consumer.trainer import ReferenceTrainer, StepLog
+
+    trainer = ReferenceTrainer(connect(settings.redis), settings, step_time_s=step_time_s, consumer=consumer)
+    with tqdm(total=steps, unit="step", desc="train") as bar:
+
+        def on_step(entry: StepLog) -> None:
+            bar.update(1)
+            reward = "-" if entry.reward_mean is None else f"{entry.reward_mean:.3f}"
+            staleness = dict(sorted(entry.staleness.items()))
+            bar.write(
+                f"step {entry.step}: {entry.groups} groups, staleness {staleness}, reward {reward}, "
+                f"wait {entry.wait_s:.2f} s, idle {entry.idle_fraction:.0%}, expired {entry.expired}"
+            )
+
+        trainer.run(steps, on_step)
+    return 0
+
+
 async def show_progress(producer: Any, every_s: float = 0.5) -> None:
     """A bar per task: accepted groups toward the current admission limit."""
     import asyncio

@@ -82,10 +82,16 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return produce(_settings(args), burst=args.burst, local_engines=args.local_engines, address=args.address)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from cli.commands import train
+
+    return train(_settings(args), steps=args.steps, step_time_s=args.step_time, consumer=args.consumer)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import demo
 
-    return demo(prompts=args.prompts)
+    return demo(prompts=args.prompts, steps=args.steps, step_time_s=args.step_time, as_json=args.json)
 
 
 def _stop_on_sigterm() -> threading.Event:
@@ -136,8 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
     p.set_defaults(func=cmd_produce)
 
+    p = sub.add_parser("train", help="the reference trainer: read batches, train, publish weights")
+    p.add_argument("--steps", type=int, required=True, help="train steps to run")
+    p.add_argument("--step-time", type=float, default=0.5, help="seconds a train step takes")
+    p.add_argument("--consumer", default="trainer", help="stable consumer name (restarts re-read its groups)")
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("demo", help="a first try in one process on an embedded Redis")
-    p.add_argument("--prompts", type=int, default=64, help="prompts to feed")
+    p.add_argument("--prompts", type=int, default=512, help="prompts to feed")
+    p.add_argument("--steps", type=int, default=8, help="train steps")
+    p.add_argument("--step-time", type=float, default=0.3, help="seconds a train step takes")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=cmd_demo)
     return parser
 

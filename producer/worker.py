@@ -25,13 +25,13 @@ from typing import Any
 
 import redis
 
-from shared.allocation import allocate_batch_sizes, over_sample_budget
 from producer.filters import load_filter, load_should_continue
 from producer.group import ABORTED, FAILED, FILTERED, GroupRunner, Window
 from producer.judges.registry import load_judge
 from producer.judges.rq import RQJudge
 from producer.pool import BasePool
 from producer.tokenizer import make_tokenizer
+from shared.allocation import allocate_batch_sizes, over_sample_budget
 from shared.buffer import Claim, ReplayBuffer, default_consumer_name
 from shared.events import WEIGHT_SYNC, RunControl
 from shared.settings import Settings

@@ -1,0 +1,118 @@
+"""Train batches for the trainer: per-task quotas, staleness expiry, commit after the
+step.
+
+For train step t a group's staleness is ``t - min(response_versions) - 1``; with
+``stale_threshold = (max_staleness + 1) * sync_weights_interval`` a group expires
+when its staleness reaches the threshold. tail_batch_trigger_size -1 drops expired
+groups; 0 and N > 0 send their prompts to the expired pool (the producers decide
+when to re-roll them: at once, or once N wait there).
+
+A batch is acknowledged (and deleted) only by ``commit()``, after the optimizer
+step; a trainer that dies before that gets the same groups again after a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import redis
+
+from shared.allocation import allocate_batch_sizes
+from shared.buffer import Batch, BatchItem, ReplayBuffer
+from shared.errors import BatchTimeout
+from shared.events import RunControl
+from shared.records import Group
+from shared.settings import Settings
+
+POLL_MS = 100
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    train_step: int
+    batches: dict[str, Batch]  # per task
+    staleness: Counter[int] = field(default_factory=Counter)
+    expired: int = 0
+    wait_s: float = 0.0
+    _buffer: ReplayBuffer | None = None
+
+    @property
+    def groups(self) -> list[Group]:
+        return [g for batch in self.batches.values() for g in batch.groups]
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.batches.values())
+
+    def commit(self) -> list[str]:
+        """Ack + delete the groups once the train step has succeeded; returns ids that
+        another trainer consumer had taken over (and so were not committed here)."""
+        assert self._buffer is not None
+        foreign: list[str] = []
+        for batch in self.batches.values():
+            foreign += self._buffer.commit(batch)
+        return foreign
+
+
+class BatchReader:
+    """The trainer's side of the replay buffer. One per trainer process, with a stable
+    consumer name (a restarted trainer re-reads its own uncommitted groups)."""
+
+    def __init__(self, client: redis.Redis, settings: Settings, consumer: str = "trainer") -> None:
+        self.settings = settings
+        self.buffer = ReplayBuffer(client, settings, consumer)
+        self.control = RunControl(client, self.buffer.keys)
+        weights = {t.name: t.weight for t in settings.tasks}
+        self.quota = allocate_batch_sizes(settings.rollout.batch_size, weights)
+
+    def get_batch(
+        self, train_step: int, timeout_s: float | None = None, min_wait_num: int | None = None
+    ) -> TrainBatch:
+        """The groups of train step ``train_step``: each task's quota of fresh-enough
+        groups. Without a timeout it waits until the batch is full; with one it returns
+        what it has at the deadline if that is at least ``min_wait_num`` groups, and
+        raises BatchTimeout naming the counts otherwise."""
+        self.control.set_train_step(train_step)
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
+        result = TrainBatch(train_step, {task: Batch(task) for task in self.quota}, _buffer=self.buffer)
+        threshold = self.settings.rollout.stale_threshold
+        while True:
+            missing = {task: q - len(result.batches[task]) for task, q in self.quota.items()}
+            if all(m <= 0 for m in missing.values()):
+                break
+            remaining_ms = POLL_MS if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000)
+            got_any = False
+            for task, count in missing.items():
+                if count <= 0:
+                    continue
+                block = min(POLL_MS, remaining_ms) if not got_any else 0
+                for item in self.buffer.read_batch(task, count, block_ms=block).items:
+                    got_any = True
+                    staleness = train_step - item.group.model_step - 1
+                    if staleness >= threshold:
+                        self._expire(item)
+                        result.expired += 1
+                    else:
+                        result.batches[task].items.append(item)
+                        result.staleness[staleness] += 1
+            if deadline is not None and time.monotonic() >= deadline:
+                wanted = self.settings.rollout.batch_size if min_wait_num is None else min_wait_num
+                if len(result) >= wanted:
+                    break
+                got = ", ".join(f"{t} {len(b)}/{self.quota[t]}" for t, b in result.batches.items())
+                raise BatchTimeout(
+                    f"train step {train_step}: {len(result)} groups after {timeout_s} s, "
+                    f"fewer than min_wait_num {wanted} ({got}; {result.expired} expired)"
+                )
+        for batch in result.batches.values():  # the stalest first, as the bound expects them used
+            batch.items.sort(key=lambda item: item.group.model_step)
+        result.wait_s = time.monotonic() - started
+        return result
+
+    def _expire(self, item: BatchItem) -> None:
+        if self.settings.rollout.tail_batch_trigger_size == -1:
+            self.buffer.discard(item)
+        else:
+            self.buffer.expire(item)

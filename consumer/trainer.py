@@ -1,0 +1,97 @@
+"""The reference trainer: what a real trainer does with consumer/, and the trainer of
+the demo. Its loop reads like slime's train.py; the training itself is a
+configurable step time (a real trainer puts its optimizer step there).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+
+from consumer.batches import BatchReader, TrainBatch
+from consumer.weights import publish_weights
+from shared.settings import Settings
+
+
+@dataclass(slots=True)
+class StepLog:
+    step: int
+    groups: int
+    staleness: dict[int, int]
+    reward_mean: float | None
+    expired: int
+    wait_s: float
+    train_s: float
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.wait_s + self.train_s
+        return self.wait_s / total if total > 0 else 0.0
+
+
+@dataclass(slots=True)
+class TrainLog:
+    steps: list[StepLog] = field(default_factory=list)
+
+    @property
+    def staleness(self) -> Counter[int]:
+        total: Counter[int] = Counter()
+        for step in self.steps:
+            total.update(step.staleness)
+        return total
+
+
+class ReferenceTrainer:
+    def __init__(
+        self, client: redis.Redis, settings: Settings, step_time_s: float = 0.5, consumer: str = "trainer"
+    ) -> None:
+        self.settings = settings
+        self.reader = BatchReader(client, settings, consumer)
+        self.step_time_s = step_time_s
+
+    def run(
+        self,
+        steps: int,
+        on_step: Callable[[StepLog], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> TrainLog:
+        log = TrainLog()
+        first = self.reader.control.train_step() + 1  # a restarted trainer goes on
+        interval = self.settings.rollout.sync_weights_interval
+        for step in range(first, first + steps):
+            if stop is not None and stop.is_set():
+                break
+            batch = self.reader.get_batch(step)
+            train_s = self.train(batch)
+            batch.commit()
+            if step % interval == 0:
+                publish_weights(self.reader.control, step)
+            entry = self.log_step(step, batch, train_s)
+            log.steps.append(entry)
+            if on_step:
+                on_step(entry)
+        return log
+
+    def train(self, batch: TrainBatch) -> float:
+        """One optimizer step on the batch; here, its configured duration."""
+        started = time.monotonic()
+        time.sleep(self.step_time_s)
+        return time.monotonic() - started
+
+    @staticmethod
+    def log_step(step: int, batch: TrainBatch, train_s: float) -> StepLog:
+        scores = [s.score for g in batch.groups for s in g.samples if s.score is not None]
+        return StepLog(
+            step=step,
+            groups=len(batch),
+            staleness=dict(batch.staleness),
+            reward_mean=sum(scores) / len(scores) if scores else None,
+            expired=batch.expired,
+            wait_s=batch.wait_s,
+            train_s=train_s,
+        )
