@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from producer.engines.base import FINISH_ABORT, Generation, SamplingParams
+from producer.engines.base import FINISH_ABORT, FINISH_LENGTH, Generation, SamplingParams
 from producer.judges.base import Judge, JudgeError, apply_rewards
 from producer.judges.rq import RQJudge
 from producer.pool import BasePool
@@ -109,6 +109,10 @@ class GroupRunner:
         or timed-out attempt on another engine, up to max_attempts."""
         n = self.settings.task(claim.task).n
         prompt_ids = self.tokenizer.encode(claim.prompt.prompt)
+        max_tokens = self.settings.producer.max_tokens
+        for s in claim.partial:  # interrupted with nothing left to generate: it is complete
+            if s.status is Status.ABORTED and len(s.response_ids) >= max_tokens:
+                s.status, s.finish_reason = Status.COMPLETED, FINISH_LENGTH
         kept = [s for s in claim.partial if s.status is not Status.ABORTED]
         to_continue = [s for s in claim.partial if s.status is Status.ABORTED]
         if not claim.partial:
@@ -139,7 +143,7 @@ class GroupRunner:
             self._request(
                 prompt_ids + s.response_ids.tolist(),
                 1,
-                max(1, max_tokens - len(s.response_ids)),
+                max_tokens - len(s.response_ids),
                 f"{request_id}.{i}",
                 avoid,
             )

@@ -85,9 +85,8 @@ class Producer:
         """Produce until ``stop`` is set, or, with ``burst``, until there is no work."""
         stop = stop or asyncio.Event()
         self.model_step = self.control.model_step()  # a late starter joins at the current step
-        await self.pool.sync_weights(
-            self.model_step, mode="abort", timeout_s=self.settings.producer.sync_timeout_s
-        )
+        rollout, p = self.settings.rollout, self.settings.producer
+        await self.pool.sync_weights(self.model_step, mode=rollout.on_weight_sync, timeout_s=p.sync_timeout_s)
         self._open.set()
         background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._follow_events())]
         try:
