@@ -38,6 +38,7 @@ from shared.settings import Settings
 
 POLL_S = 0.05
 METRICS_CAP = 100_000
+ENGINE_CHECK_EVERY = 5  # heartbeats between checks that every engine is on the model step
 log = logging.getLogger(__name__)
 
 
@@ -243,9 +244,15 @@ class Producer:
     async def _heartbeat(self) -> None:
         """Tell the run who is alive and on which step; keep held claims from being
         reclaimed while their groups take long."""
+        beats = 0
         while True:
             self.control.heartbeat(self.name, self.model_step, len(self.inflight))
             self.buffer.touch(c.entry for c in self.inflight.values())
+            beats += 1
+            if beats % ENGINE_CHECK_EVERY == 0 and self._open.is_set():
+                # an engine actor that Ray restarted starts from step 0: bring it back (a
+                # no-op for engines already on the step)
+                await self.pool.sync_weights(self.model_step, mode=self.settings.rollout.on_weight_sync)
             await asyncio.sleep(self.settings.producer.heartbeat_s)
 
     async def _shutdown(self, grace_s: float = 10.0) -> None:

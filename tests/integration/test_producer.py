@@ -263,3 +263,25 @@ def test_dynamic_timeout_follows_recent_group_times(make_producer: ProducerFacto
     assert runner.timeout_s() is None  # not enough seen yet
     runner.recent_s.extend([1.0, 2.0, 3.0] * 3)
     assert runner.timeout_s() == pytest.approx(6.0)
+
+
+def test_an_engine_restarted_from_step_zero_is_brought_back_to_the_run_step(
+    make_producer: ProducerFactory,
+) -> None:
+    producer = make_producer(producer={"heartbeat_s": 0.02})
+    producer.control.publish(WEIGHT_SYNC, 3)
+    pool = producer.pool
+    assert isinstance(pool, LocalPool)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        task = asyncio.create_task(producer.run(stop))
+        await asyncio.sleep(0.1)
+        assert pool.hosts[0].model_step == 3  # synced when the producer started
+        pool.hosts[0].model_step = 0  # as a restarted actor comes back
+        await asyncio.sleep(0.4)
+        stop.set()
+        await task
+        return pool.hosts[0].model_step
+
+    assert asyncio.run(main()) == 3
