@@ -79,6 +79,7 @@ class GroupRunner:
         started = time.monotonic()
         try:
             samples = await self.generate(claim)
+            generated = time.monotonic()
         except GroupFailed as exc:
             self.buffer.dead_letter(claim.entry, f"generation failed: {exc}")
             return FAILED
@@ -93,7 +94,7 @@ class GroupRunner:
         except JudgeError as exc:
             self.buffer.dead_letter(claim.entry, f"judge failed: {exc}")
             return FAILED
-        group.timings["generate_s"] = time.monotonic() - started
+        group.timings.update(generate_s=generated - started, judge_s=time.monotonic() - generated)
         if not self.is_valid(group):
             return FILTERED if self.buffer.drop(claim) else FENCED
         self.recent_s.append(time.monotonic() - started)
@@ -117,6 +118,8 @@ class GroupRunner:
         to_continue = [s for s in claim.partial if s.status is Status.ABORTED]
         if not claim.partial:
             to_continue = [_empty(prompt_ids) for _ in range(n)]
+        if not to_continue:
+            return kept
         avoid: list[int] = []
         last_error = ""
         for attempt in range(1, self.settings.buffer.max_attempts + 1):
