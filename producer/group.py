@@ -24,6 +24,7 @@ from producer.judges.rq import RQJudge
 from producer.pool import BasePool
 from producer.tokenizer import Tokenizer
 from shared.buffer import Claim, ReplayBuffer
+from shared.keys import EVALS
 from shared.records import Group, Sample, Status
 from shared.settings import Settings
 
@@ -95,7 +96,7 @@ class GroupRunner:
             self.buffer.dead_letter(claim.entry, f"judge failed: {exc}")
             return FAILED
         group.timings.update(generate_s=generated - started, judge_s=time.monotonic() - generated)
-        if not self.is_valid(group):
+        if claim.source != EVALS and not self.is_valid(group):  # eval results are all kept
             return FILTERED if self.buffer.drop(claim) else FENCED
         self.recent_s.append(time.monotonic() - started)
         if self.buffer.complete(claim, group) is None:

@@ -26,7 +26,7 @@ import redis
 
 from shared import codec
 from shared.errors import DecodeError, FeederError, ReplayBufferError
-from shared.keys import GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, feeder_field, progress_field
+from shared.keys import EVALS, GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, feeder_field, progress_field
 from shared.records import Group, Prompt, Sample, Status
 from shared.scripts import Scripts
 from shared.settings import Settings
@@ -34,6 +34,16 @@ from shared.streams import ConsumerStreams, Entry, text
 
 FEED_CHUNK = 500
 RECOVERED = "done"
+
+
+BATCH_META = "rollstream_batch"  # the coordinator batch a prompt belongs to, in its meta
+
+
+def eval_batch(prompt: Prompt) -> str:
+    batch = prompt.meta.get(BATCH_META)
+    if not isinstance(batch, str):
+        raise ReplayBufferError(f"eval prompt {prompt.uid!r} names no batch in meta[{BATCH_META!r}]")
+    return batch
 
 
 def default_consumer_name(role: str) -> str:
@@ -128,8 +138,9 @@ class ReplayBuffer:
 
     # --- feeding ---------------------------------------------------------------------
 
-    def feed(self, prompts: Iterable[Prompt]) -> FeedResult:
-        """Append prompts to their tasks' streams; a uid already fed is not stored again."""
+    def feed(self, prompts: Iterable[Prompt], pool: str = "prompts") -> FeedResult:
+        """Append prompts to their tasks' ``pool`` (fresh prompts, or eval prompts with
+        "evals"); a uid already fed is not stored again."""
         added = existing = 0
         by_task: dict[str, list[Prompt]] = {}
         for prompt in prompts:
@@ -142,7 +153,7 @@ class ReplayBuffer:
                 for p in chunk:
                     fields = codec.encode_prompt(p)
                     args += [fields["uid"], fields["task"], fields["data"]]
-                keys = [self.keys.prompts(task), self.keys.fed(task), self.keys.progress]
+                keys = [self.keys.stream(pool, task), self.keys.fed(task), self.keys.progress]
                 n = int(self.scripts.feed(keys=keys, args=args))
                 added += n
                 existing += len(chunk) - n
@@ -203,9 +214,11 @@ class ReplayBuffer:
         self.ensure(task)
         kinds = [k for k in POOLS if include_expired or k != "expired"]
         claims: list[Claim] = []
-        for kind in kinds:  # already admitted: a dead producer's claims do not count twice
+        for kind in (EVALS, *kinds):  # already admitted: a dead producer's claims do not count twice
             if len(claims) < count:
                 claims += self._claims(self.reclaim(kind, task, count - len(claims)))
+        if len(claims) < count:  # eval prompts go ahead of training work, outside the bound
+            claims += self._claims(self.streams.read([EVALS], task, count - len(claims)))
         if len(claims) < count:
             claims += self._claims(self._claim_new(task, count - len(claims), include_expired, limit))
         if not claims and block_ms > 0:
@@ -281,6 +294,9 @@ class ReplayBuffer:
         if status is not Status.COMPLETED:
             raise ReplayBufferError(f"only a completed group enters the buffer, not {status.value}")
         fields = codec.encode_group(group)
+        if claim.source == EVALS:  # an eval result goes to its batch's stream, not to training
+            results = self.keys.eval(eval_batch(claim.prompt))
+            return self._settle(claim.entry, results, fields, "eval_completed")
         scores = [s.score for s in group.samples if s.score is not None]
         produced: dict[str, float] = {
             progress_field(claim.task, "produced_samples"): group.n,
@@ -291,7 +307,8 @@ class ReplayBuffer:
         return self._settle(claim.entry, self.keys.groups(claim.task), fields, "completed", produced)
 
     def abort(self, claim: Claim, partial: Sequence[Sample] = (), *, model_step: int = -1) -> str | None:
-        """Send a claim back to the aborted pool, with any partial samples to continue."""
+        """Send a claim back to the aborted pool (an eval claim to the eval pool), with
+        any partial samples to continue."""
         group = Group.for_prompt(
             claim.prompt,
             samples=list(partial),
@@ -301,7 +318,8 @@ class ReplayBuffer:
             producer=self.consumer,
         )
         fields = codec.encode_group(group)
-        return self._settle(claim.entry, self.keys.aborted(claim.task), fields, "aborted")
+        pool = EVALS if claim.source == EVALS else "aborted"
+        return self._settle(claim.entry, self.keys.stream(pool, claim.task), fields, "aborted")
 
     def drop(self, claim: Claim, status: Status = Status.FILTERED) -> bool:
         """Ack + delete a claim without writing a group (filtered), counting it by status."""

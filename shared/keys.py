@@ -4,11 +4,13 @@ Nothing else spells a key. All keys of one run share the hash tag ``{run}``
 so that they land on one Redis Cluster slot and one Lua script may touch
 several of them.
 
+    rs:{run}:evals:{task}     stream  eval prompts: first      group "producers"
     rs:{run}:prompts:{task}   stream  fresh prompts            group "producers"
     rs:{run}:aborted:{task}   stream  interrupted groups       group "producers"
     rs:{run}:expired:{task}   stream  expired prompts          group "producers"
     rs:{run}:groups:{task}    stream  the replay buffer        group "trainer"
-    rs:{run}:eval:{batch}     stream  eval prompts and results
+    rs:{run}:eval:{batch}     stream  eval results of one eval batch
+    rs:{run}:batch:{batch}    hash    a coordinator batch: status, kind, counts, result
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
     rs:{run}:state            hash    model_step, train_step, feeder cursors
@@ -31,8 +33,12 @@ TRAINER = "trainer"
 
 # The pools producers claim from, in claim order (the expired pool only when asked).
 POOLS = ("aborted", "expired", "prompts")
-STREAM_KINDS = (*POOLS, "groups")
-GROUP_OF_KIND = {"prompts": PRODUCERS, "aborted": PRODUCERS, "expired": PRODUCERS, "groups": TRAINER}
+# Eval prompts are claimed before any training work and stay outside the admission bound.
+EVALS = "evals"
+STREAM_KINDS = (EVALS, *POOLS, "groups")
+GROUP_OF_KIND = {
+    EVALS: PRODUCERS, "prompts": PRODUCERS, "aborted": PRODUCERS, "expired": PRODUCERS, "groups": TRAINER,
+}  # fmt: skip
 
 # Fields of rs:{run}:state
 MODEL_STEP = "model_step"
@@ -89,6 +95,12 @@ class Keys:
             raise ValueError(f"{stream!r} is not a per-task stream of run {self.run!r}")
         kind, task = parsed
         return f"{self.base}:fence:{kind}:{task}"
+
+    def evals(self, task: str) -> str:
+        return self.stream(EVALS, task)
+
+    def batch(self, batch: str) -> str:
+        return f"{self.base}:batch:{validate_name(batch, 'batch id')}"
 
     def eval(self, batch: str) -> str:
         return f"{self.base}:eval:{validate_name(batch, 'batch id')}"
