@@ -158,11 +158,27 @@ def produce(settings: Settings, *, burst: bool, local_engines: bool, address: st
     return 0
 
 
-def train(settings: Settings, *, steps: int, step_time_s: float, consumer: str) -> int:
-    """The reference trainer for ``steps`` steps, a line per step and a tqdm bar."""
+def train(
+    settings: Settings,
+    *,
+    steps: int,
+    step_time_s: float,
+    consumer: str,
+    hf_model: str | None = None,
+    weights_dir: str = "weights",
+    lr: float = 1e-5,
+) -> int:
+    """The reference trainer for ``steps`` steps, a line per step and a tqdm bar; with
+    ``hf_model`` a real policy-gradient update whose weights the hf engines load."""
     from consumer.trainer import ReferenceTrainer, StepLog
 
-    trainer = ReferenceTrainer(connect(settings.redis), settings, step_time_s=step_time_s, consumer=consumer)
+    policy = None
+    if hf_model:
+        from consumer.pg import PolicyGradient
+
+        policy = PolicyGradient(hf_model, weights_dir, lr=lr, device=settings.engines.hf.device)
+    client = connect(settings.redis)
+    trainer = ReferenceTrainer(client, settings, step_time_s=step_time_s, consumer=consumer, policy=policy)
     with tqdm(total=steps, unit="step", desc="train") as bar:
 
         def on_step(entry: StepLog) -> None:

@@ -85,7 +85,15 @@ def cmd_produce(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from cli.commands import train
 
-    return train(_settings(args), steps=args.steps, step_time_s=args.step_time, consumer=args.consumer)
+    return train(
+        _settings(args),
+        steps=args.steps,
+        step_time_s=args.step_time,
+        consumer=args.consumer,
+        hf_model=args.hf_model,
+        weights_dir=args.weights_dir,
+        lr=args.lr,
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -146,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True, help="train steps to run")
     p.add_argument("--step-time", type=float, default=0.5, help="seconds a train step takes")
     p.add_argument("--consumer", default="trainer", help="stable consumer name (restarts re-read its groups)")
+    p.add_argument("--hf-model", help="train this Hugging Face model for real (policy gradient, hf extra)")
+    p.add_argument("--weights-dir", default="weights", help="where each synced step's weights are saved")
+    p.add_argument("--lr", type=float, default=1e-5, help="learning rate of the real update")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="a first try in one process on an embedded Redis")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import redis
 
 from consumer.batches import BatchReader, TrainBatch
+from consumer.pg import PolicyGradient
 from consumer.weights import publish_weights
 from shared.settings import Settings
 
@@ -48,11 +49,17 @@ class TrainLog:
 
 class ReferenceTrainer:
     def __init__(
-        self, client: redis.Redis, settings: Settings, step_time_s: float = 0.5, consumer: str = "trainer"
+        self,
+        client: redis.Redis,
+        settings: Settings,
+        step_time_s: float = 0.5,
+        consumer: str = "trainer",
+        policy: PolicyGradient | None = None,
     ) -> None:
         self.settings = settings
         self.reader = BatchReader(client, settings, consumer)
         self.step_time_s = step_time_s
+        self.policy = policy  # a real update of an hf model, else a step of step_time_s
 
     def run(
         self,
@@ -70,7 +77,8 @@ class ReferenceTrainer:
             train_s = self.train(batch)
             batch.commit()
             if step % interval == 0:
-                publish_weights(self.reader.control, step)
+                uri = self.policy.save(step) if self.policy is not None else None
+                publish_weights(self.reader.control, step, uri)
             entry = self.log_step(step, batch, train_s)
             log.steps.append(entry)
             if on_step:
@@ -78,9 +86,12 @@ class ReferenceTrainer:
         return log
 
     def train(self, batch: TrainBatch) -> float:
-        """One optimizer step on the batch; here, its configured duration."""
+        """One optimizer step on the batch: the policy's, or the configured duration."""
         started = time.monotonic()
-        time.sleep(self.step_time_s)
+        if self.policy is not None:
+            self.policy(batch)
+        else:
+            time.sleep(self.step_time_s)
         return time.monotonic() - started
 
     @staticmethod
