@@ -17,7 +17,7 @@ $(BASE): pyproject.toml
 # pinned: a bare torch requirement would pull several GB of CUDA packages.
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,lint,hf]'
+	$(PY) -m pip install --quiet -e '.[test,lint,hf,bench]'
 	touch $(DEV)
 
 demo: $(BASE)
@@ -32,8 +32,7 @@ lint: $(DEV)
 	$(VENV)/bin/mypy shared producer consumer cli bench
 
 bench: $(DEV)
-	$(PY) bench/codec.py
-	$(PY) bench/buffer.py
+	$(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -213,6 +213,8 @@ class Producer:
             await self.record_metrics()
             self.model_step = model_step
             self.stats.weight_syncs += 1
+            # say so now, not at the next heartbeat: trainers wait on it (wait_for_producers)
+            self.control.heartbeat(self.name, self.model_step, len(self.inflight))
         finally:
             self._open.set()
 

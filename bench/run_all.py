@@ -1,0 +1,180 @@
+"""Run every pipeline benchmark, one process each, then gather their headline ratios —
+each with the numbers it is a ratio of — in bench/results/latest.json and print a table.
+
+  buffer       bench/buffer.py: replay-buffer groups/s against raw Redis Streams
+  pipeline     bench/pipeline.py (B2): async against sync and the engine-capacity bound
+  weight_sync  bench/weight_sync.py (B3): publish -> all 4 producer processes on the step
+  scale        bench/scale.py (B4): 1/2/4 producer processes; memory over a long run
+
+    .venv/bin/python bench/run_all.py            # ~8 min on 2 cores
+    .venv/bin/python bench/run_all.py --quick    # ~2 min, smoke sizes
+    .venv/bin/python bench/run_all.py --skip buffer scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+from common import REPO, RESULTS, read_json, table, write_json
+
+BENCHES: dict[str, list[str]] = {
+    "buffer": ["--groups", "4000", "--repeats", "3"],
+    "pipeline": [],
+    "weight_sync": [],
+    "scale": [],
+}
+
+
+def main() -> int:
+    args = parse_args()
+    seconds: dict[str, float] = {}
+    failed = []
+    for name, options in BENCHES.items():
+        if name in args.skip:
+            continue
+        command = [
+            sys.executable,
+            str(REPO / "bench" / f"{name}.py"),
+            *(["--quick"] if args.quick else options),
+        ]
+        print(f"\n=== {name}: {' '.join(command[1:])}", flush=True)
+        started = time.monotonic()
+        if subprocess.run(command, cwd=REPO).returncode != 0:
+            failed.append(name)
+        seconds[name] = time.monotonic() - started
+    latest = gather(seconds, quick=args.quick)
+    write_json(latest, RESULTS / "latest.json")
+    print()
+    print(summary_table(latest))
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
+    """The headline numbers of each benchmark's results JSON (the last run of each)."""
+    out: dict[str, Any] = {"machine": platform.node(), "quick": quick, "seconds": seconds}
+    if buffer := read_json(RESULTS / "buffer.json"):
+        out["buffer"] = {
+            "ratio_vs_raw": buffer["ratio_vs_raw"],
+            "ours_groups_per_s": buffer["ours_groups_per_s"],
+            "raw_groups_per_s": buffer["raw_groups_per_s"],
+            "ratio_per_repeat": buffer.get("ratio_per_repeat"),
+        }
+    if pipeline := read_json(RESULTS / "pipeline.json"):
+        groups = sum(r["groups"] for r in pipeline["runs"])
+        out["pipeline"] = {
+            "async_over_bound": pipeline["async_over_bound"],
+            "async_over_sync": pipeline["async_over_sync"],
+            "async_tokens_over_capacity": pipeline.get("async_tokens_over_capacity"),
+            "async_samples_per_s": pipeline["async_samples_per_s"],
+            "sync_samples_per_s": pipeline["sync_samples_per_s"],
+            "bound_samples_per_s": pipeline["bound_samples_per_s"],
+            "best_async": pipeline["best_async"],
+            "best_sync": pipeline["best_sync"],
+            "staleness_violations": pipeline["staleness_violations"],
+            "groups_trained_measured": groups,
+            "time_compression": pipeline["params"]["compression"],
+        }
+    if sync := read_json(RESULTS / "weight_sync.json"):
+        out["weight_sync"] = {
+            "p99_ms": sync["p99_ms"],
+            "p50_ms": sync["p50_ms"],
+            "syncs": sync["syncs"],
+            "producers": sync["producers"],
+            "heartbeat_s": sync["heartbeat_s"],
+            "by_load": {
+                k: {"p50_ms": v["p50_ms"], "p99_ms": v["p99_ms"]} for k, v in sync["scenarios"].items()
+            },
+        }
+    if scale := read_json(RESULTS / "scale.json"):
+        out["scale"] = {
+            "memory_growth": scale["memory_growth"],
+            "memory_first_bytes": scale["memory_first_bytes"],
+            "memory_last_bytes": scale["memory_last_bytes"],
+            "long_run_groups": scale["long_run_groups"],
+            "long_run_seconds": scale["long_run"]["seconds"],
+            "groups_per_s": scale["groups_per_s"],
+            "speedup_over_1": scale["speedup_over_1"],
+        }
+    return out
+
+
+def summary_table(r: dict[str, Any]) -> str:
+    rows: list[list[Any]] = []
+
+    def add(metric: str, value: str, of: str, target: str, met: bool | None) -> None:
+        rows.append([metric, value, of, target, "-" if met is None else ("met" if met else "MISSED")])
+
+    if b := r.get("buffer"):
+        add(
+            "buffer.ratio_vs_raw",
+            f"{b['ratio_vs_raw']:.2f}",
+            f"{b['ours_groups_per_s']:,.0f} / {b['raw_groups_per_s']:,.0f} groups/s",
+            ">= 0.8",
+            b["ratio_vs_raw"] >= 0.8,
+        )
+    if p := r.get("pipeline"):
+        add(
+            "pipeline.async_over_bound",
+            f"{p['async_over_bound']:.3f}",
+            f"{p['async_samples_per_s']:.2f} ({p['best_async']}) / {p['bound_samples_per_s']:.2f} samples/s",
+            ">= 0.95",
+            p["async_over_bound"] >= 0.95,
+        )
+        add(
+            "pipeline.async_over_sync",
+            f"{p['async_over_sync']:.2f}",
+            f"{p['async_samples_per_s']:.2f} / {p['sync_samples_per_s']:.2f} ({p['best_sync']}) samples/s",
+            ">= 2.5",
+            p["async_over_sync"] >= 2.5,
+        )
+        add(
+            "pipeline.staleness_violations",
+            str(p["staleness_violations"]),
+            f"of {p['groups_trained_measured']:,} groups trained (measured steps)",
+            "0",
+            p["staleness_violations"] == 0,
+        )
+    if w := r.get("weight_sync"):
+        add(
+            "weight_sync.p99_ms",
+            f"{w['p99_ms']:.1f}",
+            f"{w['syncs']} syncs, {w['producers']} processes, heartbeat {w['heartbeat_s'] * 1000:g} ms; "
+            + ", ".join(f"{k} p50/p99 {v['p50_ms']:.1f}/{v['p99_ms']:.1f}" for k, v in w["by_load"].items()),
+            "<= 50",
+            w["p99_ms"] <= 50,
+        )
+    if s := r.get("scale"):
+        add(
+            "scale.memory_growth",
+            f"{s['memory_growth']:.3f}",
+            f"{s['memory_last_bytes'] / 2**20:.2f} / {s['memory_first_bytes'] / 2**20:.2f} MiB over "
+            f"{s['long_run_groups']:,} groups",
+            "flat (~1)",
+            None,
+        )
+        add(
+            "scale.groups_per_s",
+            " / ".join(f"{v:,.0f}" for v in s["groups_per_s"].values()),
+            f"{' / '.join(s['groups_per_s'])} producer processes",
+            "-",
+            None,
+        )
+    return table(["metric", "value", "ratio of", "target", ""], rows, left=5)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="every benchmark at its smoke size")
+    parser.add_argument("--skip", nargs="*", default=[], choices=list(BENCHES), help="benchmarks not to run")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
