@@ -24,6 +24,7 @@ from common import REPO, RESULTS, read_json, table, write_json
 
 BENCHES: dict[str, list[str]] = {
     "buffer": ["--groups", "4000", "--repeats", "3"],
+    "ray_queue": [],
     "pipeline": [],
     "weight_sync": [],
     "scale": [],
@@ -65,7 +66,13 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             "ours_groups_per_s": buffer["ours_groups_per_s"],
             "raw_groups_per_s": buffer["raw_groups_per_s"],
             "ratio_per_repeat": buffer.get("ratio_per_repeat"),
+            "memory_overhead": buffer.get("memory_overhead", 0.0) - 1.0,
         }
+        if ray_queue := read_json(RESULTS / "ray_queue.json"):
+            faster = ray_queue["faster_groups_per_s"]
+            out["buffer"]["ratio_vs_ray_queue"] = buffer["ours_groups_per_s"] / faster
+            out["buffer"]["ray_queue_groups_per_s"] = faster
+            out["buffer"]["ray_queue_way"] = ray_queue["faster"]
     if pipeline := read_json(RESULTS / "pipeline.json"):
         groups = sum(r["groups"] for r in pipeline["runs"])
         out["pipeline"] = {
@@ -118,6 +125,22 @@ def summary_table(r: dict[str, Any]) -> str:
             f"{b['ours_groups_per_s']:,.0f} / {b['raw_groups_per_s']:,.0f} groups/s",
             ">= 0.8",
             b["ratio_vs_raw"] >= 0.8,
+        )
+        if "ratio_vs_ray_queue" in b:
+            add(
+                "buffer.ratio_vs_ray_queue",
+                f"{b['ratio_vs_ray_queue']:.2f}",
+                f"{b['ours_groups_per_s']:,.0f} / {b['ray_queue_groups_per_s']:,.0f} groups/s "
+                f"({b['ray_queue_way']})",
+                ">= 1.0",
+                b["ratio_vs_ray_queue"] >= 1.0,
+            )
+        add(
+            "buffer.memory_overhead",
+            f"{b['memory_overhead']:+.0%}",
+            "Redis memory per group / payload - 1",
+            "<= +5%",
+            b["memory_overhead"] <= 0.05,
         )
     if p := r.get("pipeline"):
         add(
