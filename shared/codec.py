@@ -245,12 +245,6 @@ def is_group_entry(fields: RawFields) -> bool:
     return b"group_id" in fields
 
 
-def field_text(fields: RawFields, name: str, default: str = "") -> str:
-    """A plain field as text, for logs and dead letters; never raises."""
-    value = fields.get(name.encode())
-    return default if value is None else value.decode("utf-8", "replace")
-
-
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, KeyError):
         name = exc.args[0]
