@@ -65,6 +65,7 @@ class BatchReader:
         self.control = RunControl(client, self.buffer.keys)
         weights = {t.name: t.weight for t in settings.tasks}
         self.quota = allocate_batch_sizes(settings.rollout.batch_size, weights)
+        self._carry: dict[str, list[BatchItem]] = {}
 
     def get_batch(
         self, train_step: int, timeout_s: float | None = None, min_wait_num: int | None = None
@@ -78,6 +79,20 @@ class BatchReader:
         deadline = None if timeout_s is None else started + timeout_s
         result = TrainBatch(train_step, {task: Batch(task) for task in self.quota}, _buffer=self.buffer)
         threshold = self.settings.rollout.stale_threshold
+
+        def take(task: str, item: BatchItem) -> None:
+            staleness = train_step - item.group.model_step - 1
+            if staleness >= threshold:
+                self._expire(item)
+                result.expired += 1
+            else:
+                result.batches[task].items.append(item)
+                result.staleness[staleness] += 1
+
+        for task, held in self._carry.items():  # read by a call that timed out: still ours
+            for item in held:
+                take(task, item)
+        self._carry = {}
         while True:
             missing = {task: q - len(result.batches[task]) for task, q in self.quota.items()}
             if all(m <= 0 for m in missing.values()):
@@ -90,18 +105,14 @@ class BatchReader:
                 block = min(POLL_MS, remaining_ms) if not got_any else 0
                 for item in self.buffer.read_batch(task, count, block_ms=block).items:
                     got_any = True
-                    staleness = train_step - item.group.model_step - 1
-                    if staleness >= threshold:
-                        self._expire(item)
-                        result.expired += 1
-                    else:
-                        result.batches[task].items.append(item)
-                        result.staleness[staleness] += 1
+                    take(task, item)
             if deadline is not None and time.monotonic() >= deadline:
                 wanted = self.settings.rollout.batch_size if min_wait_num is None else min_wait_num
                 if len(result) >= wanted:
                     break
                 got = ", ".join(f"{t} {len(b)}/{self.quota[t]}" for t, b in result.batches.items())
+                # what was read stays pending for this trainer: the next call starts from it
+                self._carry = {t: b.items for t, b in result.batches.items() if b.items}
                 raise BatchTimeout(
                     f"train step {train_step}: {len(result)} groups after {timeout_s} s, "
                     f"fewer than min_wait_num {wanted} ({got}; {result.expired} expired)"

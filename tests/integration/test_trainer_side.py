@@ -199,3 +199,20 @@ def test_producers_and_the_trainer_settle_on_one_model_step(
         return live
 
     assert asyncio.run(main()) == ["p1"]
+
+
+def test_groups_read_before_a_batch_timeout_are_not_stranded(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    settings = settings_for(redis_server, run_name, batch_size=4)
+    client = redis.Redis.from_url(redis_server.url)
+    producer = ReplayBuffer(client, settings, "p")
+    first = produce_at(producer, [0, 0])
+    reader = BatchReader(client, settings)
+    with pytest.raises(BatchTimeout):
+        reader.get_batch(1, timeout_s=0.2)
+    second = produce_at(producer, [0, 0])
+    batch = reader.get_batch(1, timeout_s=5)
+    assert sorted(g.group_id for g in batch.groups) == sorted(first + second)
+    assert batch.commit() == []
+    assert client.xlen(producer.keys.groups("math")) == 0
