@@ -16,6 +16,7 @@ import redis
 from consumer.batches import BatchReader, TrainBatch
 from consumer.pg import PolicyGradient
 from consumer.weights import publish_weights
+from shared.errors import BatchTimeout
 from shared.settings import Settings
 
 
@@ -71,9 +72,9 @@ class ReferenceTrainer:
         first = self.reader.control.train_step() + 1  # a restarted trainer goes on
         interval = self.settings.rollout.sync_weights_interval
         for step in range(first, first + steps):
-            if stop is not None and stop.is_set():
+            batch = self._next_batch(step, stop)
+            if batch is None:
                 break
-            batch = self.reader.get_batch(step)
             train_s = self.train(batch)
             batch.commit()
             if step % interval == 0:
@@ -84,6 +85,16 @@ class ReferenceTrainer:
             if on_step:
                 on_step(entry)
         return log
+
+    def _next_batch(self, step: int, stop: threading.Event | None) -> TrainBatch | None:
+        """The full batch of ``step``, or None once ``stop`` is set while waiting for it."""
+        full = self.settings.rollout.batch_size
+        while stop is None or not stop.is_set():
+            try:
+                return self.reader.get_batch(step, timeout_s=1.0, min_wait_num=full)
+            except BatchTimeout:
+                continue  # what was read stays with the reader; look at stop, wait on
+        return None
 
     def train(self, batch: TrainBatch) -> float:
         """One optimizer step on the batch: the policy's, or the configured duration."""

@@ -216,3 +216,21 @@ def test_groups_read_before_a_batch_timeout_are_not_stranded(
     assert sorted(g.group_id for g in batch.groups) == sorted(first + second)
     assert batch.commit() == []
     assert client.xlen(producer.keys.groups("math")) == 0
+
+
+def test_the_reference_trainer_stops_while_it_waits_for_data(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    import threading
+    import time
+
+    from consumer.trainer import ReferenceTrainer
+
+    settings = settings_for(redis_server, run_name)
+    trainer = ReferenceTrainer(redis.Redis.from_url(redis_server.url), settings, step_time_s=0)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    log = trainer.run(5, stop=stop)  # no producer: nothing ever arrives
+    assert log.steps == []
+    assert time.monotonic() - started < 5
