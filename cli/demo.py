@@ -69,7 +69,6 @@ async def _run(settings: Settings, client: Any, steps: int, step_time_s: float, 
     producers = [Producer(settings, client, pool, f"demo-producer-{i}") for i in range(2)]
     trainer = ReferenceTrainer(client, settings, step_time_s=step_time_s, consumer="demo-trainer")
     stop = asyncio.Event()
-    await pool.health()  # the engines' busy windows start here
     started = time.monotonic()
     running = [asyncio.create_task(p.run(stop)) for p in producers]
 
@@ -83,7 +82,7 @@ async def _run(settings: Settings, client: Any, steps: int, step_time_s: float, 
 
     log = await asyncio.to_thread(trainer.run, steps, on_step, threading.Event())
     elapsed = time.monotonic() - started
-    busy = [h.busy_fraction for h in await pool.health() if h is not None]
+    busy = [h.busy_total for h in await pool.health() if h is not None]  # over the whole run
     stop.set()
     await asyncio.gather(*running)
     trained = sum(s.groups for s in log.steps)

@@ -100,6 +100,7 @@ class EngineHealth:
     queued: int
     busy_fraction: float  # decode tokens/s in use over capacity, averaged since the last call
     detail: str = ""
+    busy_total: float = 0.0  # the same, averaged since the engine started (whoever else asks)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -93,6 +93,7 @@ class SimEngine:
         self._t0 = time.monotonic()
         self._last = 0.0  # simulated time of the last advance
         self._used = 0.0  # decode tokens produced since the last health() (busy numerator)
+        self._used_total = 0.0
         self._window_start = 0.0
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -151,6 +152,7 @@ class SimEngine:
         window = self._last - self._window_start
         busy = self._used / (self.settings.capacity_tps * window) if window > 0 else self._busy_now()
         self._used, self._window_start = 0.0, self._last
+        capacity = self.settings.capacity_tps * self._last
         return EngineHealth(
             healthy=True,
             model_step=self.model_step,
@@ -159,6 +161,7 @@ class SimEngine:
             running=len(self._running),
             queued=len(self._queued),
             busy_fraction=min(1.0, busy),
+            busy_total=min(1.0, self._used_total / capacity) if capacity > 0 else 0.0,
         )
 
     # --- the model -------------------------------------------------------------------
@@ -217,6 +220,7 @@ class SimEngine:
         for request in decoding:
             request.produced = min(float(request.target), request.produced + rate * dt)
         self._used += rate * len(decoding) * dt
+        self._used_total += rate * len(decoding) * dt
         for request in self._running:
             if request.prefill_left > 0:
                 request.prefill_left -= dt

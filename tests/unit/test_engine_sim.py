@@ -190,3 +190,17 @@ def test_a_cancelled_generate_stops_its_requests() -> None:
         return (await sim.health()).outstanding
 
     assert asyncio.run(main()) == 0
+
+
+def test_busy_total_is_not_reset_by_other_readers() -> None:
+    async def main() -> tuple[float, float]:
+        sim = engine()
+        await asyncio.gather(*(sim.generate([i], exactly(200)) for i in range(8)))  # saturated
+        await sim.health()  # someone else reads (and resets) the window
+        await asyncio.sleep(0.2 / COMPRESSION)  # idle
+        health = await sim.health()
+        return health.busy_fraction, health.busy_total
+
+    window, total = asyncio.run(main())
+    assert window < 0.1  # idle since the last read
+    assert 0.4 < total < 0.95  # a saturated stretch, then idle, since the start
