@@ -30,7 +30,7 @@ from shared.keys import EVALS, GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, f
 from shared.records import Group, Prompt, Sample, Status
 from shared.scripts import Scripts
 from shared.settings import Settings
-from shared.streams import ConsumerStreams, Entry, text
+from shared.streams import ConsumerStreams, Entry, pairs, text
 
 FEED_CHUNK = 500
 RECOVERED = "done"
@@ -220,37 +220,34 @@ class ReplayBuffer:
         if len(claims) < count:  # eval prompts go ahead of training work, outside the bound
             claims += self._claims(self.streams.read([EVALS], task, count - len(claims)))
         if len(claims) < count:
-            claims += self._claims(self._claim_new(task, count - len(claims), include_expired, limit))
+            claims += self._claims(self._claim_new(task, count - len(claims), kinds, limit))
         if not claims and block_ms > 0:
             if limit is None:
                 # Wake on whichever pool gets work first, take it, then fill up in pool order.
                 claims = self._claims(self.streams.read(kinds, task, 1, block_ms=block_ms))
-            elif self._room(task, limit) > 0:
+            elif self.admitted(task) < limit:
                 # Wait for new work without taking it, then claim through the bound check.
                 self.client.xread({self.keys.stream(k, task): "$" for k in kinds}, count=1, block=block_ms)
-                claims = self._claims(self._claim_new(task, 1, include_expired, limit))
+                claims = self._claims(self._claim_new(task, 1, kinds, limit))
             if claims:
                 claims += self.claim(task, count - 1, include_expired=include_expired, limit=limit)
         return claims
 
-    def _claim_new(self, task: str, count: int, include_expired: bool, limit: int | None) -> list[Entry]:
+    def _claim_new(self, task: str, count: int, kinds: list[str], limit: int | None) -> list[Entry]:
         if limit is None:
             entries: list[Entry] = []
-            for kind in (k for k in POOLS if include_expired or k != "expired"):
+            for kind in kinds:
                 if len(entries) < count:
                     entries += self.streams.read([kind], task, count - len(entries))
             return entries
         keys = [self.keys.aborted(task), self.keys.expired(task), self.keys.prompts(task), self.keys.progress]
-        args: list[Any] = [self.consumer, count, limit, "1" if include_expired else "0", task]
+        args: list[Any] = [self.consumer, count, limit, "1" if "expired" in kinds else "0", task]
         out = []
         for stream, entry_id, flat in self.scripts.claim_bounded(keys=keys, args=args):
             name = text(stream)
             kind = self.keys.parse_stream(name)[0]  # type: ignore[index]
-            out.append(Entry(name, kind, task, text(entry_id), dict(zip(flat[::2], flat[1::2], strict=True))))
+            out.append(Entry(name, kind, task, text(entry_id), pairs(flat)))
         return out
-
-    def _room(self, task: str, limit: int) -> int:
-        return limit - self.admitted(task)
 
     def accepted(self, task: str) -> int:
         """Groups of the task that can still be trained on: completed, less expired ones."""
@@ -407,8 +404,7 @@ class ReplayBuffer:
             ]  # fmt: skip
             cursor, claimed = self.scripts.reclaim(keys=keys, args=args)
             for entry_id, flat, deliveries in claimed:
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                out.append(Entry(stream, kind, task, text(entry_id), fields, int(deliveries)))
+                out.append(Entry(stream, kind, task, text(entry_id), pairs(flat), int(deliveries)))
             start = text(cursor)
             if start == "0-0":
                 break

@@ -19,6 +19,7 @@ import orjson
 import redis
 
 from shared.keys import MODEL_STEP, TRAIN_STEP, Keys
+from shared.streams import text
 
 EVENTS_CAP = 10_000
 WEIGHT_SYNC = "weight_sync"
@@ -43,10 +44,6 @@ class Heartbeat:
     model_step: int
     inflight: int
     ts: float
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class RunControl:
@@ -81,12 +78,12 @@ class RunControl:
             "ts": time.time(),
         }
         pipe.xadd(self.keys.events, fields, maxlen=EVENTS_CAP, approximate=True)  # type: ignore[arg-type]
-        return _text(pipe.execute()[-1])
+        return text(pipe.execute()[-1])
 
     def last_event_id(self) -> str:
         """Where a new follower starts: after everything already there."""
         last = self.client.xrevrange(self.keys.events, count=1)
-        return _text(last[0][0]) if last else "0-0"
+        return text(last[0][0]) if last else "0-0"
 
     def events(self, after: str, block_ms: int = 0, count: int = 100) -> list[Event]:
         reply: Any = self.client.xread({self.keys.events: after}, count=count, block=block_ms or None)
@@ -95,10 +92,10 @@ class RunControl:
             for entry_id, fields in items:
                 out.append(
                     Event(
-                        id=_text(entry_id),
-                        type=_text(fields.get(b"type", b"")),
+                        id=text(entry_id),
+                        type=text(fields.get(b"type", b"")),
                         model_step=int(fields.get(b"model_step", -1)),
-                        uri=_text(fields.get(b"uri", b"")),
+                        uri=text(fields.get(b"uri", b"")),
                         ts=float(fields.get(b"ts", 0)),
                     )
                 )
@@ -117,7 +114,7 @@ class RunControl:
         now = time.time()
         live, dead = [], []
         for name, raw in self.client.hgetall(self.keys.state).items():
-            key = _text(name)
+            key = text(name)
             if not key.startswith(PRODUCER_PREFIX):
                 continue
             beat = orjson.loads(raw)

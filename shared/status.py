@@ -9,6 +9,7 @@ from typing import Any
 import redis
 
 from shared.keys import GROUP_OF_KIND, MODEL_STEP, TRAIN_STEP, Keys
+from shared.streams import text
 
 
 @dataclass(slots=True)
@@ -44,15 +45,11 @@ def _int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def stream_keys(client: redis.Redis, keys: Keys) -> list[tuple[str, str, str]]:
     """(key, kind, task) of every per-task stream of the run, sorted."""
     found = []
     for raw in client.scan_iter(match=keys.pattern, count=1000, _type="stream"):
-        key = _text(raw)
+        key = text(raw)
         parsed = keys.parse_stream(key)
         if parsed:
             found.append((key, *parsed))
@@ -68,7 +65,7 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
         train_step=_int(state.get(TRAIN_STEP.encode())),
         dead_letters=int(client.xlen(keys.dead)),
         events=int(client.xlen(keys.events)),
-        progress={_text(k): int(v) for k, v in sorted(progress.items())},
+        progress={text(k): int(v) for k, v in sorted(progress.items())},
     )
     for key, kind, task in stream_keys(client, keys):
         group = GROUP_OF_KIND[kind]
@@ -78,7 +75,7 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
         pipe.xpending_range(key, group, min="-", max="+", count=1)
         length, groups, oldest = pipe.execute(raise_on_error=False)
         info = (
-            next((g for g in groups if _text(g["name"]) == group), None) if isinstance(groups, list) else None
+            next((g for g in groups if text(g["name"]) == group), None) if isinstance(groups, list) else None
         )
         pending = int(info["pending"]) if info else 0
         idle = int(oldest[0]["time_since_delivered"]) if isinstance(oldest, list) and oldest else None

@@ -39,6 +39,11 @@ def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def pairs(flat: list[Any]) -> dict[bytes, bytes]:
+    """An entry's fields from the flat [name, value, ...] list a script returns."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
 @dataclass(slots=True)
 class Entry:
     """One stream entry as read through a consumer group."""
