@@ -4,8 +4,8 @@ One producer process and one consumer process on a real redis-server, a group
 being 8 samples x 2,048 response tokens + a 512-token prompt with logprobs:
 
   ours  setup feeds N prompts; the producer claims 64 at a time and completes
-        each claim with one prebuilt group (ReplayBuffer.claim / complete: the
-        codec, then the fenced settle script); the consumer reads batches of 64
+        the claims with one prebuilt group each (ReplayBuffer.claim /
+        complete_many: the codec, then one fenced settle); the consumer reads batches of 64
         (ReplayBuffer.read_batch, block 100 ms), sums the decoded response
         lengths and commits each batch (the fenced commit script).
   raw   no rollstream code: the producer XADDs the same field bytes (taken from
@@ -209,10 +209,9 @@ def ours_producer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
             claims = buffer.claim(TASK, BATCH)
             if not claims:
                 raise RuntimeError(f"no prompt left to claim after {done} of {n}")
-            for claim in claims:
-                group = Group.for_prompt(claim.prompt, samples=samples, producer=buffer.consumer)
-                if buffer.complete(claim, group) is None:
-                    raise RuntimeError(f"claim {claim.entry.id} was fenced")
+            groups = [Group.for_prompt(c.prompt, samples=samples, producer=buffer.consumer) for c in claims]
+            if None in buffer.complete_many(list(zip(claims, groups, strict=True))):
+                raise RuntimeError("a claim was fenced")
             done += len(claims)
         return 0
 

@@ -30,7 +30,7 @@ from shared.keys import EVALS, GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, f
 from shared.records import Group, Prompt, Sample, Status
 from shared.scripts import Scripts
 from shared.settings import Settings
-from shared.streams import ConsumerStreams, Entry, pairs, text
+from shared.streams import ConsumerStreams, Entry, Settle, pairs, text
 
 FEED_CHUNK = 500
 RECOVERED = "done"
@@ -287,13 +287,32 @@ class ReplayBuffer:
         Returns the group's entry id, or None when the claim was no longer
         this producer's (reclaimed by another): then nothing was written.
         """
+        return self.complete_many([(claim, group)])[0]
+
+    def complete_many(self, done: Sequence[tuple[Claim, Group]]) -> list[str | None]:
+        """``complete`` for many claims: one round trip per pool stream they came from
+        (a producer with many groups finishing at once writes them together). Each
+        claim settles on its own: a reclaimed one gets None and the others land."""
+        by_stream: dict[str, list[int]] = {}
+        settles = []
+        for i, (claim, group) in enumerate(done):
+            settles.append(self._completion(claim, group))
+            by_stream.setdefault(claim.entry.stream, []).append(i)
+        results: list[str | None] = [None] * len(done)
+        for positions in by_stream.values():
+            landed = self.streams.settle_many([settles[i] for i in positions])
+            for i, result in zip(positions, landed, strict=True):
+                results[i] = result
+        return results
+
+    def _completion(self, claim: Claim, group: Group) -> Settle:
         status = group.status or Status.COMPLETED
         if status is not Status.COMPLETED:
             raise ReplayBufferError(f"only a completed group enters the buffer, not {status.value}")
-        fields = codec.encode_group(group)
+        fields = codec.encode_group_parts(group)
         if claim.source == EVALS:  # an eval result goes to its batch's stream, not to training
             results = self.keys.eval(eval_batch(claim.prompt))
-            return self._settle(claim.entry, results, fields, "eval_completed")
+            return Settle(claim.entry, results, fields, progress_field(claim.task, "eval_completed"))
         scores = [s.score for s in group.samples if s.score is not None]
         produced: dict[str, float] = {
             progress_field(claim.task, "produced_samples"): group.n,
@@ -301,7 +320,13 @@ class ReplayBuffer:
             progress_field(claim.task, "reward_count"): len(scores),
             progress_field(claim.task, "reward_sum"): float(sum(scores)),
         }
-        return self._settle(claim.entry, self.keys.groups(claim.task), fields, "completed", produced)
+        return Settle(
+            claim.entry,
+            self.keys.groups(claim.task),
+            fields,
+            progress_field(claim.task, "completed"),
+            produced,
+        )
 
     def abort(self, claim: Claim, partial: Sequence[Sample] = (), *, model_step: int = -1) -> str | None:
         """Send a claim back to the aborted pool (an eval claim to the eval pool), with

@@ -37,9 +37,11 @@ from shared.errors import DecodeError
 from shared.records import ID_DTYPE, LOGPROB_DTYPE, Group, IdArray, Prompt, Sample, Status
 
 Fields = dict[str, bytes | str | int | float]
+WireFields = dict[str, bytes | str | int | float | tuple[np.ndarray, ...]]
 RawFields = Mapping[bytes, bytes]
 
 _EMPTY_IDS = np.zeros(0, dtype=ID_DTYPE)
+_STATUS = {status.value: status for status in Status}
 
 
 # --- prompts ---------------------------------------------------------------------------
@@ -78,20 +80,36 @@ def decode_prompt(fields: RawFields) -> Prompt:
 # --- groups ----------------------------------------------------------------------------
 
 
-def _runs(versions: IdArray) -> list[list[int]]:
-    n = len(versions)
-    if n == 0:
-        return []
-    cuts = (np.flatnonzero(versions[1:] != versions[:-1]) + 1).tolist()
-    if not cuts:  # the common case: one policy version for the whole response
-        return [[int(versions[0]), n]]
-    starts, ends = [0, *cuts], [*cuts, n]
-    return [[int(versions[a]), b - a] for a, b in zip(starts, ends, strict=True)]
+def _runs(arrays: list[IdArray]) -> list[list[list[int]]]:
+    """Each sample's versions as [step, count] runs, from one scan of the whole group
+    (a few array operations per group rather than per sample)."""
+    lengths = [len(a) for a in arrays]
+    if not any(lengths):
+        return [[] for _ in arrays]
+    versions = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+    changes = (np.flatnonzero(versions[1:] != versions[:-1]) + 1).tolist()
+    out, j, start = [], 0, 0
+    for n in lengths:
+        end = start + n
+        runs: list[list[int]] = []
+        if n:
+            while j < len(changes) and changes[j] <= start:
+                j += 1
+            a = start
+            while j < len(changes) and changes[j] < end:
+                runs.append([int(versions[a]), changes[j] - a])
+                a = changes[j]
+                j += 1
+            runs.append([int(versions[a]), end - a])
+        out.append(runs)
+        start = end
+    return out
 
 
-def _unruns(runs: list[list[int]], pool: dict[int, IdArray]) -> IdArray:
+def _unruns(runs: list[list[int]], pool: dict[Any, IdArray]) -> IdArray:
     """Versions from runs. A single run (the common case) is a view of one read-only
-    array per step and group, so a group of n samples allocates once, not n times."""
+    array per step and group, and samples with the same runs share one array, so a
+    group of n samples allocates once or twice, not n times."""
     if not runs:
         return _EMPTY_IDS
     if len(runs) == 1:
@@ -99,22 +117,26 @@ def _unruns(runs: list[list[int]], pool: dict[int, IdArray]) -> IdArray:
         if count < 1:
             raise ValueError("version run with a count below 1")
         return pool[value][:count]
-    values, counts = zip(*runs, strict=True)
-    if min(counts) < 1:
-        raise ValueError("version run with a count below 1")
-    versions = np.repeat(np.asarray(values, dtype=ID_DTYPE), counts)
-    versions.flags.writeable = False  # like every other array of a decoded group
+    key = tuple(map(tuple, runs))
+    versions = pool.get(key)
+    if versions is None:
+        values, counts = zip(*runs, strict=True)
+        if min(counts) < 1:
+            raise ValueError("version run with a count below 1")
+        versions = np.repeat(np.asarray(values, dtype=ID_DTYPE), counts)
+        versions.flags.writeable = False  # like every other array of a decoded group
+        pool[key] = versions
     return versions
 
 
-def _version_pool(sample_meta: list[dict[str, Any]]) -> dict[int, IdArray]:
+def _version_pool(sample_meta: list[dict[str, Any]]) -> dict[Any, IdArray]:
     longest: dict[int, int] = {}
     for item in sample_meta:
         runs = item["ver"]
         if len(runs) == 1:
             value, count = runs[0]
             longest[value] = max(longest.get(value, 0), count)
-    pool = {}
+    pool: dict[Any, IdArray] = {}
     for value, count in longest.items():
         array = np.full(count, value, dtype=ID_DTYPE)
         array.flags.writeable = False
@@ -123,15 +145,25 @@ def _version_pool(sample_meta: list[dict[str, Any]]) -> dict[int, IdArray]:
 
 
 def encode_group(group: Group) -> Fields:
+    """A group's stream-entry fields, every value as Redis stores it."""
+    return {
+        name: b"".join(array.data for array in value) if isinstance(value, tuple) else value
+        for name, value in encode_group_parts(group).items()
+    }
+
+
+def encode_group_parts(group: Group) -> WireFields:
+    """``encode_group`` with each token field left as the tuple of its samples' arrays,
+    for a writer that copies them into its buffer once (shared/resp.py)."""
     samples = group.samples
-    prompt_bytes = samples[0].prompt_ids.tobytes() if samples else b""
-    shared_prompt = all(s.prompt_ids.tobytes() == prompt_bytes for s in samples[1:])
+    first = samples[0].prompt_ids if samples else _EMPTY_IDS
+    shared_prompt = all(s.prompt_ids is first or np.array_equal(s.prompt_ids, first) for s in samples[1:])
     sample_meta = []
-    for s in samples:
+    for s, runs in zip(samples, _runs([s.response_versions for s in samples]), strict=True):
         item: dict[str, Any] = {
             "len": len(s.response_ids),
             "lp": len(s.logprobs),
-            "ver": _runs(s.response_versions),
+            "ver": runs,
             "finish": s.finish_reason,
             "reward": s.reward,
             "status": s.status.value,
@@ -160,8 +192,7 @@ def encode_group(group: Group) -> Fields:
     }
     reward_mean = group.reward_mean
     status = group.status or Status.COMPLETED
-    if not shared_prompt:
-        prompt_bytes = b"".join(s.prompt_ids.tobytes() for s in samples)
+    prompt_parts = (first,) if shared_prompt else tuple(s.prompt_ids for s in samples)
     return {
         "task": group.task,
         "group_id": group.group_id,
@@ -171,13 +202,13 @@ def encode_group(group: Group) -> Fields:
         "attempt": group.attempt,
         "producer": group.producer,
         "reward_mean": "" if reward_mean is None else repr(reward_mean),
-        "prompt_tokens": len(prompt_bytes) // ID_DTYPE.itemsize,
+        "prompt_tokens": sum(len(p) for p in prompt_parts),
         "response_tokens": group.response_tokens,
         "meta": orjson.dumps(meta),
         # Samples hold little-endian int32 / float32 arrays (records.as_ids): bytes as they are.
-        "prompt_ids": prompt_bytes,
-        "response_ids": b"".join(s.response_ids.tobytes() for s in samples),
-        "logprobs": b"".join(s.logprobs.tobytes() for s in samples),
+        "prompt_ids": prompt_parts,
+        "response_ids": tuple(s.response_ids for s in samples),
+        "logprobs": tuple(s.logprobs for s in samples),
     }
 
 
@@ -211,15 +242,17 @@ def _decode_group(fields: RawFields) -> Group:
         versions = _unruns(item["ver"], pool)
         if r + n > len(response_ids) or lp + nlp > len(logprobs) or len(versions) != n:
             raise DecodeError("token arrays are shorter than the sample lengths say", fields)
+        if nlp not in (0, n):
+            raise DecodeError(f"a sample has {nlp} logprobs for {n} tokens", fields)
         samples.append(
-            Sample(
-                prompt_ids=sample_prompt,
-                response_ids=response_ids[r : r + n],
-                logprobs=logprobs[lp : lp + nlp],
-                response_versions=versions,
+            Sample.of_arrays(
+                sample_prompt,
+                response_ids[r : r + n],
+                logprobs[lp : lp + nlp],
+                versions,
                 finish_reason=item["finish"],
-                reward=item["reward"],
-                status=item["status"],  # Sample makes it a Status
+                reward=item["reward"] if item["reward"] is not None else {},
+                status=_STATUS.get(item["status"]) or Status(item["status"]),
                 text=item["text"],
             )
         )

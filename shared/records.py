@@ -47,14 +47,25 @@ def group_status(statuses: Iterable[Status]) -> Status:
     raise AssertionError(f"unreachable: {present}")  # pragma: no cover
 
 
+# Token arrays are 1-D and contiguous, so that the codec sends their memory as it is.
 def as_ids(values: npt.ArrayLike) -> IdArray:
-    if type(values) is np.ndarray and values.dtype == ID_DTYPE and values.ndim == 1:
+    if (
+        type(values) is np.ndarray
+        and values.dtype == ID_DTYPE
+        and values.ndim == 1
+        and values.flags.c_contiguous
+    ):
         return values
     return np.ascontiguousarray(values, dtype=ID_DTYPE).reshape(-1)
 
 
 def as_logprobs(values: npt.ArrayLike) -> FloatArray:
-    if type(values) is np.ndarray and values.dtype == LOGPROB_DTYPE and values.ndim == 1:
+    if (
+        type(values) is np.ndarray
+        and values.dtype == LOGPROB_DTYPE
+        and values.ndim == 1
+        and values.flags.c_contiguous
+    ):
         return values
     return np.ascontiguousarray(values, dtype=LOGPROB_DTYPE).reshape(-1)
 
@@ -108,6 +119,27 @@ class Sample:
             raise ValueError(f"response_versions has {len(self.response_versions)} entries for {n} tokens")
         if len(self.logprobs) not in (0, n):
             raise ValueError(f"logprobs has {len(self.logprobs)} entries for {n} tokens")
+
+    @classmethod
+    def of_arrays(
+        cls,
+        prompt_ids: IdArray,
+        response_ids: IdArray,
+        logprobs: FloatArray,
+        response_versions: IdArray,
+        *,
+        finish_reason: str | None,
+        reward: dict[str, Any],
+        status: Status,
+        text: str,
+    ) -> Sample:
+        """A sample from arrays already of the right dtype and checked lengths (the
+        codec's decoder): no conversion, no check."""
+        sample = cls.__new__(cls)
+        sample.prompt_ids, sample.response_ids = prompt_ids, response_ids
+        sample.logprobs, sample.response_versions = logprobs, response_versions
+        sample.finish_reason, sample.reward, sample.status, sample.text = finish_reason, reward, status, text
+        return sample
 
     def __repr__(self) -> str:
         return (

@@ -48,30 +48,39 @@ local function check_counter(hash, field)
 end
 """
 
-# KEYS: source stream, destination stream, progress hash, fence counter of the source
-# ARGV: group, consumer, entry id, progress field, '1' when there is a destination
-# The gate of a settle (see ReplayBuffer._settle), run between WATCH fence and MULTI:
-# returns 1 when the entry is still pending for this consumer and the queued writes
-# cannot fail. Otherwise it bumps the fence, which this very client WATCHes, so that
-# the EXEC that follows writes nothing, and returns 0 (fenced) or the error.
+# KEYS: source stream, progress hash, fence counter of the source, destination streams...
+# ARGV: group, consumer, number of entries k, k entry ids, progress fields...
+# The gate of a settle of k entries of one stream (see streams.py), run between WATCH
+# fence and MULTI: returns 1 when every entry is still pending for this consumer and
+# the queued writes cannot fail. Otherwise it bumps the fence, which this very client
+# WATCHes, so that the EXEC that follows writes nothing, and returns the (1-based)
+# positions of the entries that are no longer this consumer's, or the error.
 SETTLE_GATE = """
 local function refuse(reply)
-  local bumped = redis.pcall('INCR', KEYS[4])
-  if type(bumped) == 'table' then redis.call('DEL', KEYS[4]) end  -- not a counter: DEL it
+  local bumped = redis.pcall('INCR', KEYS[3])
+  if type(bumped) == 'table' then redis.call('DEL', KEYS[3]) end  -- not a counter: DEL it
   return reply
 end
-local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
-if pending.err then return refuse(pending) end
-if #pending == 0 then return refuse(0) end
-local count = redis.pcall('HGET', KEYS[3], ARGV[4])
-if type(count) == 'table' and count.err then return refuse(count) end
-if count and not tonumber(count) then
-  return refuse(redis.error_reply('progress field ' .. ARGV[4] .. ' is not a number: ' .. count))
+local k = tonumber(ARGV[3])
+local lost = {}
+for i = 1, k do
+  local id = ARGV[3 + i]
+  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2])
+  if pending.err then return refuse(pending) end
+  if #pending == 0 then lost[#lost + 1] = i end
 end
-if ARGV[5] == '1' then
-  local t = redis.call('TYPE', KEYS[2]).ok
+if #lost > 0 then return refuse(lost) end
+for i = 4 + k, #ARGV do
+  local count = redis.pcall('HGET', KEYS[2], ARGV[i])
+  if type(count) == 'table' and count.err then return refuse(count) end
+  if count and not tonumber(count) then
+    return refuse(redis.error_reply('progress field ' .. ARGV[i] .. ' is not a number: ' .. count))
+  end
+end
+for i = 4, #KEYS do
+  local t = redis.call('TYPE', KEYS[i]).ok
   if t ~= 'stream' and t ~= 'none' then
-    return refuse(redis.error_reply(KEYS[2] .. ' holds a ' .. t .. ', not a stream'))
+    return refuse(redis.error_reply(KEYS[i] .. ' holds a ' .. t .. ', not a stream'))
   end
 end
 return 1

@@ -23,6 +23,7 @@ against each other.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ import redis
 from shared import codec
 from shared.errors import ReplayBufferError
 from shared.keys import GROUP_OF_KIND, Keys
+from shared.resp import CommandWriter
 from shared.scripts import SETTLE_GATE
 
 
@@ -56,6 +58,18 @@ class Entry:
     deliveries: int = 1
 
 
+@dataclass(slots=True)
+class Settle:
+    """What one settle writes: ``fields`` appended to ``dest`` (none: nothing appended),
+    the entry counted in ``progress_field``, and ``more`` added to other counters."""
+
+    entry: Entry
+    dest: str | None
+    fields: dict[str, Any] | None
+    progress_field: str
+    more: dict[str, float] | None = None
+
+
 class ConsumerStreams:
     """The streams of one run, seen by one consumer name."""
 
@@ -64,6 +78,7 @@ class ConsumerStreams:
         self.keys = keys
         self.consumer = consumer
         self._ensured: set[str] = set()
+        self._local = threading.local()  # a CommandWriter per thread
 
     def ensure(self, task: str) -> None:
         """Create the task's streams and consumer groups (id 0: earlier entries count)."""
@@ -122,51 +137,81 @@ class ConsumerStreams:
         count it in ``progress_field`` (and add ``more`` to other progress fields).
         Returns the new entry's id ("OK" without a destination), or None, with nothing
         written, when the entry is not ours."""
-        group = GROUP_OF_KIND[entry.kind]
-        fence = self.keys.fence(entry.stream)
-        gate = (
-            "EVAL", SETTLE_GATE, 4, entry.stream, dest or entry.stream, self.keys.progress, fence,
-            group, self.consumer, entry.id, progress_field, "1" if dest else "0",
-        )  # fmt: skip
-        writes: list[tuple[Any, ...]] = []
-        if dest:
-            flat: list[Any] = []
-            for name, value in (fields or {}).items():
-                flat += (name, value)
-            writes.append(("XADD", dest, "*", *flat))
-        writes += [
-            ("XACK", entry.stream, group, entry.id),
-            ("XDEL", entry.stream, entry.id),
-            ("HINCRBY", self.keys.progress, progress_field, 1),
-        ]
-        for name, amount in (more or {}).items():
-            command = "HINCRBY" if isinstance(amount, int) else "HINCRBYFLOAT"
-            writes.append((command, self.keys.progress, name, amount))
-        while True:
-            replies = self.round_trip([("WATCH", fence), gate, ("MULTI",), *writes, ("EXEC",)])
+        return self.settle_many([Settle(entry, dest, fields, progress_field, more)])[0]
+
+    def settle_many(self, settles: Sequence[Settle]) -> list[str | None]:
+        """Settle entries of one stream in one round trip (one gate, one MULTI ... EXEC);
+        a result per settle, as ``settle`` returns it. The entries that are no longer
+        this consumer's are left out and the rest settled again."""
+        results: list[str | None] = [None] * len(settles)
+        todo = list(range(len(settles)))
+        while todo:
+            replies = self.round_trip(self._settle_commands([settles[i] for i in todo]))
             verdict, done = replies[1], replies[-1]
             if isinstance(verdict, Exception):
                 raise verdict
-            if verdict == 0:
+            if verdict != 1:  # the positions (1-based) of entries reclaimed by another
                 if done is not None:  # pragma: no cover - only if WATCH were not honoured
-                    raise ReplayBufferError(f"settle of {entry.id} ran although its gate refused")
-                return None
+                    raise ReplayBufferError(f"settle of {len(todo)} entries ran although its gate refused")
+                lost = {todo[position - 1] for position in verdict}
+                todo = [i for i in todo if i not in lost]
+                continue
             if done is None:
                 continue  # a reclaim of this stream came between gate and EXEC
             for reply in done:
                 if isinstance(reply, Exception):
                     raise reply
-            return text(done[0]) if dest else "OK"
+            added = iter(done)
+            for i in todo:
+                results[i] = text(next(added)) if settles[i].dest else "OK"
+            todo = []
+        return results
+
+    def _settle_commands(self, settles: Sequence[Settle]) -> list[tuple[Any, ...]]:
+        """WATCH fence, the gate, MULTI, the appends, one XACK + XDEL, the progress
+        counters summed, EXEC."""
+        stream, kind = settles[0].entry.stream, settles[0].entry.kind
+        if any(s.entry.stream != stream for s in settles):
+            raise ValueError("settle_many settles entries of one stream")
+        group = GROUP_OF_KIND[kind]
+        fence = self.keys.fence(stream)
+        ids = [s.entry.id for s in settles]
+        counts: dict[str, float] = {}
+        for s in settles:
+            counts[s.progress_field] = counts.get(s.progress_field, 0) + 1
+            for name, amount in (s.more or {}).items():
+                counts[name] = counts.get(name, 0) + amount
+        dests = list(dict.fromkeys(s.dest for s in settles if s.dest))
+        gate = (
+            "EVAL", SETTLE_GATE, 3 + len(dests), stream, self.keys.progress, fence, *dests,
+            group, self.consumer, len(ids), *ids, *counts,
+        )  # fmt: skip
+        writes: list[tuple[Any, ...]] = []
+        for s in settles:
+            if s.dest:
+                flat: list[Any] = []
+                for name, value in (s.fields or {}).items():
+                    flat += (name, value)
+                writes.append(("XADD", s.dest, "*", *flat))
+        writes += [("XACK", stream, group, *ids), ("XDEL", stream, *ids)]
+        for name, amount in counts.items():
+            command = "HINCRBY" if isinstance(amount, int) else "HINCRBYFLOAT"
+            writes.append((command, self.keys.progress, name, amount))
+        return [("WATCH", fence), gate, ("MULTI",), *writes, ("EXEC",)]
 
     def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Send commands in one packet on one connection and read every reply; error
-        replies come back as exceptions in place."""
+        """Send commands on one connection, written straight into one reusable buffer
+        (shared/resp.py), and read every reply; error replies come back as exceptions
+        in place."""
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(conn.pack_commands(commands))  # type: ignore[no-untyped-call]
+            writer = getattr(self._local, "writer", None)
+            if writer is None:
+                writer = self._local.writer = CommandWriter()
+            sent = writer.write(commands, lambda data: conn.send_packed_command([data]))  # type: ignore[no-untyped-call]
             replies: list[Any] = []
-            for _ in commands:
+            for _ in range(sent):
                 try:
                     replies.append(conn.read_response())
                 except redis.ResponseError as exc:

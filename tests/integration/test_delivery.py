@@ -182,6 +182,37 @@ def test_reclaimed_but_unfinished_claim_fences_the_old_owner(make) -> None:  # t
     assert new.complete(claim_new, group_for(claim_new.prompt)) is not None
 
 
+def test_complete_many_lands_its_own_claims_and_skips_one_reclaimed_by_another(make) -> None:  # type: ignore[no-untyped-def]
+    slow, fast, trainer = make("slow"), make("fast"), make("trainer")
+    slow.feed(prompts("math", 4))
+    first = slow.claim("math", 1)
+    time.sleep(IDLE_MS / 1000 * 1.5)
+    (taken,) = fast.claim("math", 1)  # the first claim looked abandoned
+    assert taken.entry.id == first[0].entry.id
+    rest = slow.claim("math", 3)  # fresh: slow's own
+    sent: list[list[tuple]] = []  # type: ignore[type-arg]
+    real_round_trip = slow.streams.round_trip
+
+    def counting_round_trip(commands: list[tuple]) -> list:  # type: ignore[type-arg]
+        sent.append(commands)
+        return real_round_trip(commands)
+
+    slow.streams.round_trip = counting_round_trip  # type: ignore[method-assign]
+    claims = first + rest
+    ids = slow.complete_many([(c, group_for(c.prompt, n=4, tokens=8, step=2)) for c in claims])
+
+    assert ids[0] is None and all(i is not None for i in ids[1:])
+    assert len(sent) == 2  # the gate named the lost claim; the other three went in one more trip
+    batch = trainer.read_batch("math", 10)
+    assert sorted(g.prompt.uid for g in batch.groups) == sorted(c.prompt.uid for c in rest)
+    assert [item.entry.id for item in batch.items] == ids[1:]
+    progress = slow.client.hgetall(slow.keys.progress)
+    assert progress[b"math:completed"] == b"3"
+    assert progress[b"math:produced_samples"] == b"12" and progress[b"math:produced_tokens"] == b"96"
+    assert slow.running("math") == 1  # only the reclaimed one, now fast's
+    assert fast.complete(taken, group_for(taken.prompt)) is not None
+
+
 def test_expire_is_fenced_by_the_trainer_that_holds_the_group(make) -> None:  # type: ignore[no-untyped-def]
     producer, t1, t2 = make("p"), make("t1"), make("t2")
     producer.feed(prompts("math", 1))

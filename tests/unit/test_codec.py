@@ -221,3 +221,34 @@ def test_decoded_versions_are_read_only_views() -> None:
     assert not versions.flags.writeable
     with pytest.raises(ValueError):
         versions[0] = 9
+
+
+def test_version_runs_split_at_every_sample_boundary_even_without_a_change() -> None:
+    arrays = [[3, 3], [3, 4, 4], [], [4], [5, 5, 6]]
+    runs = codec._runs([np.asarray(a, dtype=np.int32) for a in arrays])
+    assert runs == [[[3, 2]], [[3, 1], [4, 2]], [], [[4, 1]], [[5, 2], [6, 1]]]
+    assert codec._runs([np.zeros(0, dtype=np.int32)] * 2) == [[], []]
+
+
+def test_samples_with_equal_multi_run_versions_share_one_decoded_array() -> None:
+    group = build_group_with_runs()
+    decoded = codec.decode_group(through_redis_reply(codec.encode_group(group)))
+    first, second = (s.response_versions for s in decoded.samples)
+    assert first is second and not first.flags.writeable
+    assert first.tolist() == [1, 1, 2]
+
+
+def build_group_with_runs() -> Group:
+    prompt = Prompt(uid="u", task="math", prompt="p")
+    samples = [
+        Sample(prompt_ids=[1], response_ids=[7, 8, 9], logprobs=[], response_versions=[1, 1, 2]) for _ in "ab"
+    ]
+    return Group.for_prompt(prompt, samples=samples)
+
+
+def test_strided_token_arrays_encode_as_their_values() -> None:
+    every_other = np.arange(20, dtype=np.int32)[::2]
+    sample = Sample(prompt_ids=every_other, response_ids=every_other, logprobs=[], response_versions=[0] * 10)
+    group = Group.for_prompt(Prompt(uid="u", task="math", prompt="p"), samples=[sample])
+    decoded = codec.decode_group(through_redis_reply(codec.encode_group(group)))
+    assert decoded.samples[0].response_ids.tolist() == list(range(0, 20, 2))
