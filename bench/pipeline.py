@@ -65,6 +65,7 @@ class Params:
     step_time_s: float = 7.0  # S, simulated
     producers: int = 2
     max_inflight: int = 32  # groups per producer
+    max_concurrency: int = 256  # sequences an engine decodes at once (KV slots); more queue
     compression: float = 10.0
     warmup: int = 2
     steps: int = 8
@@ -113,7 +114,13 @@ CONFIGS = [
 
 def main() -> dict[str, Any]:
     args = parse_args()
-    params = Params(compression=args.compression, warmup=args.warmup, steps=args.steps)
+    params = Params(
+        compression=args.compression,
+        warmup=args.warmup,
+        steps=args.steps,
+        max_concurrency=args.max_concurrency,
+        max_inflight=args.max_inflight,
+    )
     print_parameters(params)
     with EmbeddedRedis() as server:
         runs = []
@@ -145,6 +152,7 @@ def bench_settings(url: str, config: Config, p: Params) -> Settings:
                 "median_tokens": p.median_tokens,
                 "sigma": p.sigma,
                 "time_compression": p.compression,
+                "max_concurrency": p.max_concurrency,
             },
         },
         rollout={
@@ -428,6 +436,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compression", type=float, default=default.compression)
     parser.add_argument("--warmup", type=int, default=default.warmup, help="steps skipped")
     parser.add_argument("--steps", type=int, default=default.steps, help="steps measured")
+    parser.add_argument("--max-concurrency", type=int, default=default.max_concurrency)
+    parser.add_argument("--max-inflight", type=int, default=default.max_inflight, help="groups per producer")
     parser.add_argument("--only", default="", help="run the configurations whose name contains this")
     parser.add_argument("--quick", action="store_true", help="2 warm-up + 5 measured steps, 40x")
     args = parser.parse_args()

@@ -37,21 +37,35 @@ class EngineHost:
                 self._idle.set()
 
     async def sync_weights(self, model_step: int, path: str | None, mode: str) -> int:
-        """Move to ``model_step`` unless already there. drain: hold new requests until the
-        running ones finish on the old weights; abort / partial: abort the running ones
-        (they return what they have). Returns the engine's model step."""
+        """Move to ``model_step`` unless already there. Returns the engine's model step.
+
+        drain: hold new requests until the running ones finish on the old weights.
+        abort: abort the running ones (they return what they have; producers send
+        their prompts back). partial: in place — pause decoding, load the weights,
+        resume — so running requests keep their tokens and KV cache and go on with
+        the new weights, their later tokens stamped with the new step. That is the
+        partial rollout of the design without the round trip through the aborted
+        pool: nothing is prefilled again, and a response keeps the length it was
+        going to have (an abort with kept tokens is still how a producer hands a
+        partial response on when it stops or gives up on an engine).
+        """
         async with self._sync:
             if model_step <= self.model_step:
                 return self.model_step
             if mode == "drain":
                 self._open.clear()
                 await self._idle.wait()
-            else:
+            elif mode == "abort":
                 await self.engine.abort(None)
+            paused = mode == "partial"
+            if paused:
+                await self.engine.pause()
             try:
                 await self.engine.update_weights(model_step, path)
                 self.model_step = model_step
             finally:
+                if paused:
+                    await self.engine.resume()
                 self._open.set()
             return self.model_step
 

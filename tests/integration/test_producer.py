@@ -135,7 +135,7 @@ def trained_groups(producer: Producer) -> list[Any]:
     return producer.buffer.read_batch("math", 100).groups
 
 
-def test_partial_rollout_continues_on_the_new_weights(make_producer: ProducerFactory) -> None:
+def test_partial_rollout_continues_on_the_new_weights_in_place(make_producer: ProducerFactory) -> None:
     producer = make_producer(rollout={"on_weight_sync": "partial"}, **LONG)
     producer.buffer.feed(prompts("math", 1))
     run_with_sync_midway(producer)
@@ -144,8 +144,40 @@ def test_partial_rollout_continues_on_the_new_weights(make_producer: ProducerFac
         versions = sample.response_versions
         assert set(np.unique(versions).tolist()) == {0, 1}  # spans both steps
         assert np.all(np.diff(versions) >= 0)
-        assert len(sample.response_ids) <= 1200
-    assert producer.stats.outcomes.get("aborted") == 1
+        assert len(sample.response_ids) == 1200  # the length it was going to have
+    assert producer.stats.outcomes == {"completed": 1}  # never aborted: the engine updated in place
+
+
+def test_aborted_partial_samples_go_on_from_their_own_tokens(make_producer: ProducerFactory) -> None:
+    # an abort that is not a weight sync (a stuck engine, a stopping producer) hands the
+    # partial samples on through the aborted pool; the next claim continues them
+    producer = make_producer(rollout={"on_weight_sync": "partial"}, **LONG)
+    (prompt,) = prompts("math", 1)
+    producer.buffer.feed([prompt])
+
+    async def main() -> None:
+        task = asyncio.create_task(producer.run(burst=True))
+        await asyncio.sleep(0.08)
+        await producer.pool.abort(list(producer.runner.inflight))
+        await task
+
+    asyncio.run(main())
+    assert producer.stats.outcomes == {"aborted": 1, "completed": 1}
+    (group,) = trained_groups(producer)
+    fresh = asyncio.run(fresh_generation(producer, prompt.prompt, len(group.samples)))
+    for sample, whole in zip(group.samples, fresh, strict=True):
+        assert len(sample.response_ids) == 1200
+        assert sample.response_ids[0] == whole.response_ids[0]  # began as the fresh one did
+        assert not np.array_equal(sample.response_ids, whole.response_ids)  # then went on from its cut
+
+
+async def fresh_generation(producer: Producer, text: str, n: int) -> list[Any]:
+    from producer.engines.base import SamplingParams
+    from producer.engines.sim import SimEngine
+
+    engine = SimEngine(producer.settings.engines.sim)
+    params = SamplingParams(max_tokens=1200)
+    return await engine.generate(producer.runner.tokenizer.encode(text), params, n)
 
 
 def test_abort_mode_regenerates_from_the_prompt(make_producer: ProducerFactory) -> None:
