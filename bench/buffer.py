@@ -59,6 +59,7 @@ BLOCK_MS = 100
 RAW_STREAM = "raw:groups"
 RAW_GROUP = "trainer"
 TARGET_RATIO = 0.8
+SWEEP_TOKENS = (1024, 1536, 1792, 1920, 2048, 2304, 2560, 3072, 3584, 4096)
 CPU_SIDES = ("producer", "consumer", "redis")
 RESULTS = Path(__file__).resolve().parent / "results"
 START_TIMEOUT_S = 120
@@ -84,12 +85,14 @@ def main() -> None:
             "ours": memory_per_group(client, settings, args.memory_groups, way="ours"),
             "raw": memory_per_group(client, settings, args.memory_groups, way="raw", fields=fields),
         }
+        sweep = memory_sweep(client, settings, args.memory_groups // 4)
         if args.profile:
             run_once(client, settings, "ours", args.groups, fields, profile_dir=RESULTS)
         client.close()
 
-    result = summarize(args, runs, memory, payload)
+    result = summarize(args, runs, memory, payload) | {"memory_sweep": sweep}
     print_table(result)
+    print_sweep(sweep)
     write_json(result, RESULTS / "buffer.json")
 
 
@@ -293,7 +296,13 @@ SIDES: dict[tuple[str, str], Callable[[str, int, codec.Fields], Callable[[], int
 
 
 def memory_per_group(
-    client: redis.Redis, settings: Settings, k: int, *, way: str, fields: codec.Fields | None = None
+    client: redis.Redis,
+    settings: Settings,
+    k: int,
+    *,
+    way: str,
+    fields: codec.Fields | None = None,
+    tokens: int = RESPONSE_TOKENS,
 ) -> dict[str, float]:
     """used_memory delta per group with K groups unconsumed in a groups stream, and
     MEMORY USAGE of that stream per group."""
@@ -303,13 +312,14 @@ def memory_per_group(
         buffer = ReplayBuffer(client, settings, "producer-mem")
         claims = buffer.claim(TASK, k)
         assert len(claims) == k
-        samples = build_samples(score=1.0)
+        samples = build_samples(score=1.0, tokens=tokens)
         before = used_memory(client)
         for claim in claims:
             buffer.complete(claim, Group.for_prompt(claim.prompt, samples=samples))
         stream = buffer.keys.groups(TASK)
     else:
-        assert fields is not None
+        if fields is None:
+            fields = group_fields(tokens)
         prepare(client, settings, "raw", k)
         before = used_memory(client)
         for _ in range(k):
@@ -319,6 +329,27 @@ def memory_per_group(
     usage = int(client.memory_usage(stream, samples=0) or 0)
     client.flushdb()
     return {"used_memory_per_group": (after - before) / k, "memory_usage_per_group": usage / k, "k": k}
+
+
+def memory_sweep(client: redis.Redis, settings: Settings, k: int) -> list[dict[str, float]]:
+    """Memory per group against payload over response lengths, ours and raw: where a
+    payload falls among the allocator's size classes decides the overhead (jemalloc
+    rounds a large allocation up to one of 4 classes per doubling, up to +25%)."""
+    rows = []
+    for tokens in SWEEP_TOKENS:
+        payload = payload_bytes(group_fields(tokens))
+        ours = memory_per_group(client, settings, k, way="ours", tokens=tokens)["used_memory_per_group"]
+        raw = memory_per_group(client, settings, k, way="raw", tokens=tokens)["used_memory_per_group"]
+        rows.append(
+            {"response_tokens": tokens, "payload_bytes": payload, "ours_bytes": ours, "raw_bytes": raw}
+            | {"ours_overhead": ours / payload - 1, "raw_overhead": raw / payload - 1}
+        )
+    return rows
+
+
+def group_fields(tokens: int) -> codec.Fields:
+    samples = build_samples(score=1.0, tokens=tokens)
+    return codec.encode_group(Group.for_prompt(bench_prompt(0), samples=samples))
 
 
 def used_memory(client: redis.Redis) -> int:
@@ -419,6 +450,16 @@ def print_table(r: dict[str, Any]) -> None:
         f"ours/raw = {r['ratio_vs_raw']:.2f} ({r['ours_groups_per_s']:,.0f} vs {r['raw_groups_per_s']:,.0f} "
         f"groups/s; per repeat {pairs}): {verdict} the {TARGET_RATIO} target"
     )
+
+
+def print_sweep(sweep: list[dict[str, float]]) -> None:
+    print("memory per group over response lengths (8 samples + 512 prompt tokens), against the payload:")
+    print(f"{'tokens':>8}{'payload KiB':>13}{'ours KiB':>10}{'raw KiB':>9}{'ours':>8}{'raw':>8}")
+    for r in sweep:
+        print(
+            f"{r['response_tokens']:>8}{r['payload_bytes'] / 1024:>13,.1f}{r['ours_bytes'] / 1024:>10,.1f}"
+            f"{r['raw_bytes'] / 1024:>9,.1f}{r['ours_overhead']:>+8.0%}{r['raw_overhead']:>+8.0%}"
+        )
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:

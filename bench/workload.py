@@ -1,5 +1,6 @@
 """The reference group every buffer benchmark moves: 8 samples x 2,048 response
-tokens + 512 prompt tokens, with logprobs and a weight sync part-way."""
+tokens + 512 prompt tokens, with logprobs and a weight sync a third of the way
+(versions in two runs, as after a partial rollout)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,18 @@ SAMPLES = 8
 RESPONSE_TOKENS = 2_048
 PROMPT_TOKENS = 512
 VOCAB = 151_936
-SYNC_AT = RESPONSE_TOKENS // 3  # versions in two runs, as after a partial rollout
 
 
-def build_samples(seed: int = 0, score: float | None = None) -> list[Sample]:
+def build_samples(seed: int = 0, score: float | None = None, tokens: int = RESPONSE_TOKENS) -> list[Sample]:
     rng = np.random.default_rng(seed)
     prompt_ids = rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int32)
     return [
         Sample(
             prompt_ids=prompt_ids,
-            response_ids=rng.integers(0, VOCAB, RESPONSE_TOKENS, dtype=np.int32),
-            logprobs=-rng.exponential(1.0, RESPONSE_TOKENS).astype(np.float32),
+            response_ids=rng.integers(0, VOCAB, tokens, dtype=np.int32),
+            logprobs=-rng.exponential(1.0, tokens).astype(np.float32),
             response_versions=np.repeat(
-                np.array([6, 7], dtype=np.int32), [SYNC_AT, RESPONSE_TOKENS - SYNC_AT]
+                np.array([6, 7], dtype=np.int32), [tokens // 3, tokens - tokens // 3]
             ),
             finish_reason="stop",
             reward={"score": float(rng.integers(0, 2)) if score is None else score},
