@@ -21,11 +21,11 @@ Per configuration: W warm-up steps are skipped, then over the next M steps
   staleness      histogram of t - min(response_versions) - 1 of the trained groups,
                  recomputed from every sample's token versions (violations: >= the bound)
   expired        groups expired by the trainer / (trained + expired)
-  tokens/(E*T)   response tokens trained per second / (E x T): the bound in tokens, which
-                 does not flatter a run whose trained samples are shorter than the mean
-
-against the bound E x T / mean response length (the capped lognormal's mean): the
-samples/s if every engine ran at capacity all the time.
+  /bound         samples/s against the bound: E x T / the mean length of the samples
+                 delivered, the samples/s if every engine ran at capacity all the time
+                 (= response tokens trained per second / (E x T))
+  /dist bound    the same against E x T / the capped lognormal's mean, which flatters:
+                 a few thousand heavy-tailed draws mostly average below that mean
 
     .venv/bin/python bench/pipeline.py            # ~3 min on 2 cores
     .venv/bin/python bench/pipeline.py --quick    # ~20 s
@@ -157,7 +157,7 @@ def headline_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     mine = [r for r in runs if r["config"]["max_concurrency"] is None]
     syncs = [r for r in mine if r["config"]["mode"] == "sync"] or mine
     asyncs = [r for r in mine if r["config"]["mode"] == "async"] or mine
-    return [max(asyncs, key=lambda r: r["samples_per_s"]), max(syncs, key=lambda r: r["samples_per_s"])]
+    return [max(asyncs, key=lambda r: r["tokens_per_s"]), max(syncs, key=lambda r: r["tokens_per_s"])]
 
 
 # --- one configuration ---------------------------------------------------------------
@@ -337,7 +337,10 @@ def summarize(p: Params, runs: list[dict[str, Any]], repeats: list[list[dict[str
     bound = p.bound_samples_per_s
     best, sync = repeats[0], repeats[-1]
     capacity = p.engines * p.capacity_tps
-    over_bound = spread([r["samples_per_s"] / bound for r in best])
+    # The bound for the samples a run delivered: E x T over their mean length. The
+    # distribution's mean (``bound``) flatters a run: the mean of a few thousand capped
+    # lognormal draws falls below it more often than not (the tail is rare).
+    over_bound = spread([r["samples_per_s"] * r["mean_response_tokens"] / capacity for r in best])
     over_sync = spread([a["samples_per_s"] / s["samples_per_s"] for a, s in zip(best, sync, strict=False)])
     return {
         "params": asdict(p)
@@ -348,6 +351,8 @@ def summarize(p: Params, runs: list[dict[str, Any]], repeats: list[list[dict[str
             "time_units": "simulated seconds",
         },
         "bound_samples_per_s": bound,
+        "bound_samples_per_s_measured": spread([capacity / r["mean_response_tokens"] for r in best]),
+        "async_over_distribution_bound": spread([r["samples_per_s"] / bound for r in best])["median"],
         "runs": runs,
         "best_async": best[0]["name"],
         "best_sync": sync[0]["name"],
@@ -370,8 +375,9 @@ def summarize(p: Params, runs: list[dict[str, Any]], repeats: list[list[dict[str
 
 def row_text(r: dict[str, Any], p: Params) -> str:
     hist = " ".join(f"{k}:{v}" for k, v in r["staleness"].items())
+    of_bound = r["tokens_per_s"] / (p.engines * p.capacity_tps)
     return (
-        f"{r['samples_per_s']:6.2f} samples/s ({r['samples_per_s'] / p.bound_samples_per_s:4.0%} of bound), "
+        f"{r['samples_per_s']:6.2f} samples/s ({of_bound:4.0%} of bound), "
         f"step {show(r['step_s'])} s, busy {r['engine_busy']:4.0%}, idle {r['trainer_idle']:4.0%}, "
         f"staleness {hist}, expired {r['expired_share']:.1%}"
     )
@@ -414,16 +420,16 @@ def print_table(s: dict[str, Any]) -> None:
                 f"{r['tokens_per_s'] / (p['engines'] * p['capacity_tps']):.2f}",
             ]
         )
-    headers = ["config", "samples/s", "/bound", "step s [min..max]", "busy", "idle", "staleness", "viol"]
-    print(table([*headers, "expired", "mean len", "tokens/(E*T)"], rows))
+    headers = ["config", "samples/s", "/dist bound", "step s [min..max]", "busy", "idle", "staleness", "viol"]
+    print(table([*headers, "expired", "mean len", "/bound"], rows))
     n = s["async_over_bound_spread"]["n"]
     print(
-        f"bound {bound:.2f} samples/s; over {n} runs each, median [min..max]: best async "
+        f"bound E*T / mean length of the samples delivered {show(s['bound_samples_per_s_measured'])} "
+        f"samples/s (of the distribution: {bound:.2f}); over {n} runs each, median [min..max]: best async "
         f"({s['best_async']}) / bound = {show(s['async_over_bound_spread'])} (target >= 0.95); "
         f"best async / best sync ({s['best_sync']}) = {show(s['async_over_sync_spread'])} "
         f"(target >= 2.5); staleness violations {s['staleness_violations']} (target 0); "
-        f"in trained tokens: best async {s['async_tokens_over_capacity']:.2f} of E*T, "
-        f"sync {s['sync_tokens_over_capacity']:.2f}"
+        f"against the distribution's bound: best async {s['async_over_distribution_bound']:.2f}"
     )
 
 
