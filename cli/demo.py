@@ -38,6 +38,7 @@ DEMO_SETTINGS: dict[str, Any] = {
             "median_tokens": 300,
             "sigma": 1.0,
             "time_compression": 10,
+            "max_concurrency": 12,  # 1.2 x T/v: more slots only slow every sequence down
         },
     },
     "rollout": {"mode": "async", "batch_size": 16, "max_staleness": 1, "on_weight_sync": "partial"},
