@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from common import RESULTS
 from workload import PROMPT_TOKENS, RESPONSE_TOKENS, SAMPLES, build_samples
 
 from shared import codec
@@ -61,7 +62,6 @@ RAW_GROUP = "trainer"
 TARGET_RATIO = 0.8
 SWEEP_TOKENS = (1024, 1536, 1792, 1920, 2048, 2304, 2560, 3072, 3584, 4096)
 CPU_SIDES = ("producer", "consumer", "redis")
-RESULTS = Path(__file__).resolve().parent / "results"
 START_TIMEOUT_S = 120
 RUN_TIMEOUT_S = 600
 
@@ -85,7 +85,7 @@ def main() -> None:
             "ours": memory_per_group(client, settings, args.memory_groups, way="ours"),
             "raw": memory_per_group(client, settings, args.memory_groups, way="raw", fields=fields),
         }
-        sweep = memory_sweep(client, settings, args.memory_groups // 4)
+        sweep = memory_sweep(client, settings, max(32, args.memory_groups // 4))
         if args.profile:
             run_once(client, settings, "ours", args.groups, fields, profile_dir=RESULTS)
         client.close()

@@ -28,11 +28,11 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import orjson
 import redis
+from common import RESULTS as RESULTS_DIR
 from workload import PROMPT_TOKENS, RESPONSE_TOKENS, SAMPLES, build_group
 
 from shared import codec
@@ -41,7 +41,7 @@ from shared.embedded import EmbeddedRedis
 from shared.records import Group, Sample, Status
 from shared.settings import load_settings
 
-RESULTS = Path(__file__).resolve().parent / "results" / "codec.json"
+RESULTS = RESULTS_DIR / "codec.json"
 
 Encoded = dict[str, Any]
 Raw = dict[bytes, bytes]

@@ -20,7 +20,8 @@ from producer.prompts import read_prompt_file
 from shared.buffer import ReplayBuffer
 from shared.settings import Settings
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# where results go: bench/results, or ROLLSTREAM_BENCH_RESULTS (the smoke tests' folder)
+RESULTS = Path(os.environ.get("ROLLSTREAM_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -71,7 +72,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1) 
 def write_json(data: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=float) + "\n")
-    print(f"wrote {path.relative_to(REPO)}")
+    print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

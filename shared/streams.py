@@ -176,6 +176,8 @@ class ConsumerStreams:
         group = GROUP_OF_KIND[kind]
         fence = self.keys.fence(stream)
         ids = [s.entry.id for s in settles]
+        if len(set(ids)) != len(ids):
+            raise ValueError("settle_many got one entry twice")
         counts: dict[str, float] = {}
         for s in settles:
             counts[s.progress_field] = counts.get(s.progress_field, 0) + 1

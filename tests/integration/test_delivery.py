@@ -213,6 +213,28 @@ def test_complete_many_lands_its_own_claims_and_skips_one_reclaimed_by_another(m
     assert fast.complete(taken, group_for(taken.prompt)) is not None
 
 
+def test_complete_many_settles_claims_of_several_pools_one_trip_each(make) -> None:  # type: ignore[no-untyped-def]
+    producer, trainer = make("p"), make("trainer")
+    producer.feed(prompts("math", 3))
+    (first,) = producer.claim("math", 1)
+    assert producer.abort(first) is not None  # back in the aborted pool, claimed first next time
+    claims = producer.claim("math", 3)
+    assert [c.source for c in claims] == ["aborted", "prompts", "prompts"]
+    sent: list[list[tuple]] = []  # type: ignore[type-arg]
+    real_round_trip = producer.streams.round_trip
+    producer.streams.round_trip = lambda commands: sent.append(commands) or real_round_trip(commands)  # type: ignore[method-assign]
+
+    ids = producer.complete_many([(c, group_for(c.prompt)) for c in claims])
+
+    assert None not in ids and len(sent) == 2  # one per pool stream
+    assert producer.running("math") == 0 and producer.accepted("math") == 3
+    assert sorted(g.prompt.uid for g in trainer.read_batch("math", 10).groups) == sorted(
+        c.prompt.uid for c in claims
+    )
+    with pytest.raises(ValueError, match="twice"):
+        producer.complete_many([(claims[0], group_for(claims[0].prompt))] * 2)
+
+
 def test_expire_is_fenced_by_the_trainer_that_holds_the_group(make) -> None:  # type: ignore[no-untyped-def]
     producer, t1, t2 = make("p"), make("t1"), make("t2")
     producer.feed(prompts("math", 1))
