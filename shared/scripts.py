@@ -7,7 +7,7 @@ settles a claimed entry first checks that the entry is still pending for
 completed) by another one meanwhile writes nothing.
 
 Settling a claim with a group payload is not one script but WATCH, a gate
-script, MULTI ... EXEC, sent as one round trip (see ReplayBuffer._settle):
+script, MULTI ... EXEC, sent as one round trip (see shared/streams.py):
 Redis's Lua hashes every byte of every string argument it receives, so a
 130 KiB group passed through a script cost Redis ~330 µs of CPU against
 ~120 µs for a plain XADD (bench/buffer.py, 2-core machine).

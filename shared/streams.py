@@ -1,23 +1,26 @@
 """Consumer-group mechanics under the replay buffer: creating streams and groups,
 reading entries, and the fenced settle that ends an entry's time as pending.
 
-A settle acks and deletes an entry this consumer holds, first appending a new
-entry (a group, a pool entry, a dead letter) somewhere else, and writes
-nothing when the entry is no longer this consumer's. It is one round trip:
+A settle acks and deletes entries this consumer holds in one stream, first
+appending a new entry for each (a group, a pool entry, a dead letter)
+somewhere else, and writes nothing for an entry that is no longer this
+consumer's. However many entries, it is one round trip:
 
     WATCH fence      the source stream's fence counter: every reclaim bumps it
-    EVAL gate        still pending for me, and the writes below cannot fail?
-                     if not, the gate bumps the fence itself (see scripts.py)
+    EVAL gate        all still pending for me, and the writes below cannot fail?
+                     if not, the gate bumps the fence itself and names the
+                     entries that are not mine (see scripts.py)
     MULTI
-    XADD dest ...    the payload, never passed through Lua
-    XACK / XDEL      the source entry
-    HINCRBY          the progress counter
+    XADD dest ...    each payload, never passed through Lua
+    XACK / XDEL      the source entries
+    HINCRBY ...      the progress counters, summed
     EXEC             runs only if the fence did not move since WATCH
 
 Only a reclaim moves an entry to another owner, so an EXEC that runs saw no
 change of owner since its gate checked; a reclaim between gate and EXEC
-aborts it, and the settle checks again. One claim is settled by one thread:
-two concurrent settles of the same entry by the same consumer are not fenced
+aborts it, and the settle checks again; entries the gate named are dropped
+and the rest settled again. One claim is settled by one thread: two
+concurrent settles of the same entry by the same consumer are not fenced
 against each other.
 """
 
