@@ -22,6 +22,7 @@ Buffer = bytes | bytearray | memoryview
 Chunks = tuple[Buffer, ...]
 
 FLUSH_BYTES = 1 << 20
+BIG = 4096  # an argument at least this long is copied into the buffer on its own
 
 
 def as_bytes(arg: Any) -> Buffer:
@@ -71,18 +72,33 @@ class CommandWriter:
         return count
 
     def command(self, args: tuple[Any, ...]) -> None:
-        self._put(b"*%d\r\n" % len(args))
+        # small arguments are joined into one piece; big buffers and chunk tuples are
+        # copied into the buffer on their own, without an intermediate bytes object
+        small: list[Buffer] = [b"*%d\r\n" % len(args)]
         for arg in args:
-            if isinstance(arg, tuple):
+            kind = type(arg)
+            if kind is str:
+                data: Buffer = arg.encode()
+            elif kind is bytes and len(arg) < BIG:
+                data = arg
+            elif kind is tuple:
                 chunks = [as_bytes(c) for c in arg]
-                self._put(b"$%d\r\n" % sum(len(c) for c in chunks))
+                small.append(b"$%d\r\n" % sum(len(c) for c in chunks))
+                self._put(b"".join(small))
                 for chunk in chunks:
                     self._put(chunk)
+                small = [b"\r\n"]
+                continue
             else:
                 data = as_bytes(arg)
-                self._put(b"$%d\r\n" % len(data))
-                self._put(data)
-            self._put(b"\r\n")
+                if len(data) >= BIG:
+                    small.append(b"$%d\r\n" % len(data))
+                    self._put(b"".join(small))
+                    self._put(data)
+                    small = [b"\r\n"]
+                    continue
+            small += (b"$%d\r\n" % len(data), data, b"\r\n")
+        self._put(b"".join(small))
 
     def _put(self, data: Buffer) -> None:
         end = self._pos + len(data)
