@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import redis
 
 from producer.engines.base import FINISH_ABORT, FINISH_LENGTH, Generation, SamplingParams
 from producer.judges.base import Judge, JudgeError, apply_rewards
@@ -78,7 +79,8 @@ class Completions:
                 self._resolve(items, self.buffer.complete_many([(c, g) for c, g, _ in items]))
                 continue
             except Exception as exc:
-                if len(items) == 1:
+                # Redis itself failing fails them all; anything else, try one by one
+                if len(items) == 1 or isinstance(exc, redis.ConnectionError | redis.TimeoutError):
                     self._resolve(items, exc)
                     continue
             for item in items:  # one by one, so that one group's error is that group's alone

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis
 
 from producer.group import Completions
 from shared.errors import ReplayBufferError
@@ -50,3 +51,25 @@ def test_one_bad_group_fails_alone(real_buffer: BufferFactory) -> None:
     assert isinstance(first, str) and isinstance(third, str)
     assert buffer.accepted("math") == 2
     assert buffer.running("math") == 1  # the bad one's claim stays pending: reclaimed later
+
+
+def test_redis_down_fails_every_waiter_without_retrying_each(real_buffer: BufferFactory) -> None:
+    buffer = real_buffer("p")
+    buffer.feed(prompts("math", 3))
+    claims = buffer.claim("math", 3)
+    calls: list[int] = []
+
+    def unreachable(done: list[object]) -> list[str | None]:
+        calls.append(len(done))
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:1")
+
+    buffer.complete_many = unreachable  # type: ignore[assignment, method-assign]
+    completions = Completions(buffer)
+
+    async def main() -> list[object]:
+        calls_ = (completions.complete(c, group_for(c.prompt)) for c in claims)
+        return await asyncio.gather(*calls_, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, redis.ConnectionError) for o in outcomes)
+    assert calls == [3]  # one attempt for the batch, not one more per group
