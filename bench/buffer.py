@@ -318,8 +318,7 @@ def memory_per_group(
             buffer.complete(claim, Group.for_prompt(claim.prompt, samples=samples))
         stream = buffer.keys.groups(TASK)
     else:
-        if fields is None:
-            fields = group_fields(tokens)
+        assert fields is not None, "raw stores the fields it is given"
         prepare(client, settings, "raw", k)
         before = used_memory(client)
         for _ in range(k):
@@ -337,9 +336,10 @@ def memory_sweep(client: redis.Redis, settings: Settings, k: int) -> list[dict[s
     rounds a large allocation up to one of 4 classes per doubling, up to +25%)."""
     rows = []
     for tokens in SWEEP_TOKENS:
-        payload = payload_bytes(group_fields(tokens))
+        fields = group_fields(tokens)
+        payload = payload_bytes(fields)
         ours = memory_per_group(client, settings, k, way="ours", tokens=tokens)["used_memory_per_group"]
-        raw = memory_per_group(client, settings, k, way="raw", tokens=tokens)["used_memory_per_group"]
+        raw = memory_per_group(client, settings, k, way="raw", fields=fields)["used_memory_per_group"]
         rows.append(
             {"response_tokens": tokens, "payload_bytes": payload, "ours_bytes": ours, "raw_bytes": raw}
             | {"ours_overhead": ours / payload - 1, "raw_overhead": raw / payload - 1}

@@ -47,27 +47,25 @@ def group_status(statuses: Iterable[Status]) -> Status:
     raise AssertionError(f"unreachable: {present}")  # pragma: no cover
 
 
-# Token arrays are 1-D and contiguous, so that the codec sends their memory as it is.
 def as_ids(values: npt.ArrayLike) -> IdArray:
-    if (
-        type(values) is np.ndarray
-        and values.dtype == ID_DTYPE
-        and values.ndim == 1
-        and values.flags.c_contiguous
-    ):
-        return values
-    return np.ascontiguousarray(values, dtype=ID_DTYPE).reshape(-1)
+    return _flat(values, ID_DTYPE)
 
 
 def as_logprobs(values: npt.ArrayLike) -> FloatArray:
+    return _flat(values, LOGPROB_DTYPE)
+
+
+def _flat(values: npt.ArrayLike, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """Token arrays are 1-D and contiguous, so that the codec sends their memory as it is;
+    an array that already is one comes back as it is."""
     if (
         type(values) is np.ndarray
-        and values.dtype == LOGPROB_DTYPE
+        and values.dtype == dtype
         and values.ndim == 1
         and values.flags.c_contiguous
     ):
         return values
-    return np.ascontiguousarray(values, dtype=LOGPROB_DTYPE).reshape(-1)
+    return np.ascontiguousarray(values, dtype=dtype).reshape(-1)
 
 
 @dataclass(slots=True)
