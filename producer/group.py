@@ -221,14 +221,16 @@ class GroupRunner:
         params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p)
         self.inflight.add(request_id)
         try:
-            call = self.pool.generate(prompt_ids, params, n, request_id, avoid)
+            # placed here, not in the pool, so that a timeout is blamed on the engine that ran it
+            engine = self.pool.pick(avoid)
+            call = self.pool.generate(prompt_ids, params, n, request_id, engine=engine)
             timeout = self.timeout_s()
             try:
                 async with asyncio.timeout(timeout):  # not wait_for: see SimEngine._run
                     result = await call
             except TimeoutError:
                 await self.pool.abort([request_id])
-                raise _AttemptFailed(self.pool.pick(avoid), f"timed out after {timeout:.1f} s") from None
+                raise _AttemptFailed(engine, f"engine {engine}: timed out after {timeout:.1f} s") from None
         finally:
             self.inflight.discard(request_id)
         if result.failed:

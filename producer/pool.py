@@ -132,9 +132,11 @@ class BasePool:
         n: int,
         request_id: str,
         avoid: Iterable[int] = (),
+        engine: int | None = None,
     ) -> PoolResult:
-        """The n samples of one group, all on one engine."""
-        index = self.pick(avoid)
+        """The n samples of one group, all on one engine: ``engine``, or else the one
+        ``pick`` chooses."""
+        index = self.pick(avoid) if engine is None else engine
         self.outstanding[index] += 1
         try:
             generations = await self._generate(index, prompt_ids, params, n, request_id)
