@@ -16,11 +16,22 @@ the work; concurrent callers wait for its stored result, and later calls return
 it (finalize is idempotent). With a timeout, fewer than min_wait_num results
 raise BatchTimeout; at or above it, what finished is returned and the batch's
 unclaimed prompts are removed (in-flight ones are discarded when they land).
+
+The finalizer holds the batch under a lease (the hash's owner and lease_until,
+in Redis server time, so that machines need not agree on the clock) that it
+renews while it works. A finalizer that dies stops renewing it: once the lease
+has run out, the next finalize call, or one already waiting, takes the batch
+over and finishes it (the groups the dead one had read come back to it after
+claim_idle_ms). A finalizer that finds its lease gone hands nothing over and
+returns the new owner's result. A caller waiting with a timeout raises
+BatchTimeout when no result came in time, whoever is finalizing.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from dataclasses import replace
 from enum import StrEnum
 from typing import Any
@@ -30,14 +41,17 @@ import redis
 
 from consumer.metrics import eval_metrics
 from shared import codec
-from shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer
+from shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer, default_consumer_name
 from shared.errors import BatchTimeout, ReplayBufferError
 from shared.keys import EVALS
 from shared.records import Group, Prompt, Status
 from shared.settings import Settings, validate_name
 
 POLL_S = 0.05
+LEASE_S = 10.0  # renewed every third of it; a dead finalizer's batch is taken over once it runs out
 ACTIVE = ("pending", "running", "finalizing")
+_DONE = ("finalized", "aborted")
+log = logging.getLogger(__name__)
 
 # KEYS: batch hash. ARGV: from status, to status. Returns 1 when it moved the batch.
 _TRANSITION = """
@@ -45,6 +59,54 @@ if redis.call('HGET', KEYS[1], 'status') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2])
 return 1
 """
+
+_NOW_MS = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+"""
+
+# KEYS: batch hash. ARGV: owner, lease ms. RUNNING -> FINALIZING under the owner's lease, or
+# a FINALIZING batch whose lease ran out taken over. Returns the previous owner ('' when
+# the batch was RUNNING), nil when the batch is not the caller's to finalize.
+_BEGIN = (
+    _NOW_MS
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+local previous = ''
+if status == 'finalizing' then
+    if tonumber(redis.call('HGET', KEYS[1], 'lease_until') or 0) > now then return false end
+    previous = redis.call('HGET', KEYS[1], 'owner') or 'unknown'
+elseif status ~= 'running' then
+    return false
+end
+redis.call('HSET', KEYS[1], 'status', 'finalizing', 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]))
+return previous
+"""
+)
+
+# KEYS: batch hash. ARGV: owner, lease ms. Returns 0 when the batch is no longer the owner's.
+_RENEW = (
+    _NOW_MS
+    + """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[2]))
+return 1
+"""
+)
+
+# KEYS: batch hash. ARGV: owner, then field, value, ... The owner's last word on its
+# finalization (the result, or RUNNING again); returns 0, writing nothing, when the batch
+# is no longer the owner's.
+_END = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'owner', 'lease_until')
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return 1
+"""
+
+
+class _LeaseLost(Exception):
+    """Another caller took the batch over while this one was finalizing it."""
 
 
 class BatchStatus(StrEnum):
@@ -56,12 +118,18 @@ class BatchStatus(StrEnum):
 
 
 class BatchCoordinator:
-    def __init__(self, client: redis.Redis, settings: Settings, consumer: str = "coordinator") -> None:
+    def __init__(
+        self, client: redis.Redis, settings: Settings, consumer: str = "coordinator", lease_s: float = LEASE_S
+    ) -> None:
         self.client: Any = client  # replies are bytes (no decode_responses)
         self.settings = settings
         self.buffer = ReplayBuffer(client, settings, consumer)
         self.keys = self.buffer.keys
+        self.lease_s = lease_s
         self._transition = client.register_script(_TRANSITION)
+        self._begin = client.register_script(_BEGIN)
+        self._renew_script = client.register_script(_RENEW)
+        self._end = client.register_script(_END)
         self._held: dict[str, list[BatchItem]] = {}  # train groups read for another batch
 
     # --- the API -----------------------------------------------------------------------
@@ -116,33 +184,86 @@ class BatchCoordinator:
         key = self.keys.batch(batch_id)
         if self._kind(batch_id) != kind:
             raise ReplayBufferError(f"batch {batch_id!r} is not a {kind} batch")
-        moved = self._transition(keys=[key], args=[BatchStatus.RUNNING.value, BatchStatus.FINALIZING.value])
-        if not moved:
-            return self._await_result(batch_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        owner = f"{default_consumer_name(self.buffer.consumer)}-{uuid.uuid4().hex[:8]}"
+        while True:
+            previous = self._begin(keys=[key], args=[owner, self._lease_ms])
+            if previous is not None:
+                if previous:
+                    log.warning(
+                        "batch %r: %s took over from %s, whose lease ran out",
+                        batch_id,
+                        owner,
+                        previous.decode(),
+                    )
+                try:
+                    return self._finalize_as(owner, batch_id, kind, deadline, timeout)
+                except _LeaseLost:
+                    log.warning("batch %r: %s lost its lease; waiting for the new owner", batch_id, owner)
+                    continue
+            raw = self.client.hget(key, "result")
+            if raw is not None:
+                return dict(orjson.loads(raw))
+            status = self._status(batch_id)
+            # RUNNING: a finalizer gave up (BatchTimeout) just now; the next turn takes it on
+            if status not in (BatchStatus.RUNNING, BatchStatus.FINALIZING, *_DONE):
+                raise ReplayBufferError(f"batch {batch_id!r} is {status or 'unknown'}: nothing to finalize")
+            if deadline is not None and time.monotonic() >= deadline:
+                holder = self.client.hget(key, "owner")
+                raise BatchTimeout(
+                    f"batch {batch_id!r}: no result after {timeout} s; "
+                    f"{holder.decode() if holder else 'nobody'} is still finalizing it"
+                )
+            time.sleep(POLL_S)
+
+    def _finalize_as(
+        self, owner: str, batch_id: str, kind: str, deadline: float | None, timeout: float | None
+    ) -> dict[str, Any]:
+        """The work of finalizing, under ``owner``'s lease."""
+        key = self.keys.batch(batch_id)
         try:
             total = int(self.client.hget(key, "total") or 0)
             wanted = int(self.client.hget(key, "min_wait_num") or total)
-            deadline = None if timeout is None else time.monotonic() + timeout
+            renewed = time.monotonic()
             groups = self._collect(batch_id, kind)
             while len(groups) < total and (deadline is None or time.monotonic() < deadline):
                 time.sleep(POLL_S)
+                if time.monotonic() - renewed >= self.lease_s / 3:
+                    self._renew(key, owner)
+                    renewed = time.monotonic()
                 groups = self._collect(batch_id, kind)
             if len(groups) < wanted:
-                self.client.hset(key, "status", BatchStatus.RUNNING.value)  # a later finalize may try again
+                self._end(keys=[key], args=[owner, "status", BatchStatus.RUNNING.value])  # may try again
                 raise BatchTimeout(
                     f"batch {batch_id!r}: {len(groups)} of {total} results after {timeout} s, "
                     f"fewer than min_wait_num {wanted}"
                 )
+            self._renew(key, owner)  # handing over acks and deletes: never under a lease that ran out
             removed = self._remove_unclaimed(batch_id) if len(groups) < total else 0
             result = self._result(batch_id, groups, BatchStatus.FINALIZED)
             result["removed_prompts"] = removed
-            self._store(batch_id, result)
+            stored = self._end(
+                keys=[key], args=[owner, "status", result["status"], "result", orjson.dumps(result)]
+            )
+            if not stored:  # ran out since the renewal, but the groups were handed to this caller
+                log.error("batch %r: %s lost its lease while storing the result", batch_id, owner)
             return result
+        except _LeaseLost:
+            self._held.pop(batch_id, None)  # left pending: the new owner reclaims them
+            raise
         except BatchTimeout:
             raise
         except BaseException:
-            self.client.hset(key, "status", BatchStatus.RUNNING.value)
+            self._end(keys=[key], args=[owner, "status", BatchStatus.RUNNING.value])
             raise
+
+    @property
+    def _lease_ms(self) -> int:
+        return max(1, round(self.lease_s * 1000))
+
+    def _renew(self, key: str, owner: str) -> None:
+        if not self._renew_script(keys=[key], args=[owner, self._lease_ms]):
+            raise _LeaseLost(owner)
 
     def _collect(self, batch_id: str, kind: str) -> list[Group]:
         """Every result of the batch so far."""
@@ -206,16 +327,6 @@ class BatchCoordinator:
         self.client.hset(
             self.keys.batch(batch_id), mapping={"status": result["status"], "result": orjson.dumps(result)}
         )
-
-    def _await_result(self, batch_id: str) -> dict[str, Any]:
-        while True:
-            raw = self.client.hget(self.keys.batch(batch_id), "result")
-            if raw is not None:
-                return dict(orjson.loads(raw))
-            status = self._status(batch_id)
-            if status not in (BatchStatus.FINALIZING, BatchStatus.FINALIZED, BatchStatus.ABORTED):
-                raise ReplayBufferError(f"batch {batch_id!r} is {status or 'unknown'}: nothing to finalize")
-            time.sleep(POLL_S)
 
     def _status(self, batch_id: str) -> str | None:
         value = self.client.hget(self.keys.batch(batch_id), "status")
