@@ -1,10 +1,14 @@
-"""Record builders and waiting helpers shared by the tests."""
+"""Record builders, waiting helpers and a hand-moved clock shared by the tests."""
 
 from __future__ import annotations
 
+import asyncio
+import heapq
+import inspect
+import itertools
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shared.records import Group, Prompt, Sample
 
@@ -43,3 +47,55 @@ def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+async def wait_for_async(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
+    """wait_for inside an event loop: the predicate may be a coroutine function, and the
+    loop runs on between polls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)
+
+
+class _Timer:
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualClock:
+    """A clock for the sim engine (``SimEngine(..., clock=)``) that moves only on
+    ``advance``: the timers due on the way fire in order, each at its own time, so a
+    test sees every event exactly when the model says, however busy the machine is."""
+
+    def __init__(self) -> None:
+        self.time = 0.0
+        self._timers: list[tuple[float, int, _Timer]] = []
+        self._order = itertools.count()  # ties fire in the order they were set
+
+    def now(self) -> float:
+        return self.time
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(callback)
+        heapq.heappush(self._timers, (self.time + delay, next(self._order), timer))
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        end = self.time + seconds
+        while self._timers and self._timers[0][0] <= end:
+            when, _, timer = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                self.time = max(self.time, when)
+                timer.callback()
+        self.time = end

@@ -10,7 +10,8 @@ lengths come from a seeded lognormal (median, sigma), capped by max_tokens.
 
 Time is simulated exactly between events (a prefill ending, a request
 finishing, an arrival, an abort, a pause, a weight update) and runs
-``time_compression`` times faster than the wall clock. Token ids and
+``time_compression`` times faster than the wall clock, or on a clock the caller
+passes (tests move one by hand, tests/helpers.py ManualClock). Token ids and
 logprobs are deterministic for (seed, prompt, sample index); each token is
 stamped with the model step the engine held when that token was produced.
 """
@@ -18,14 +19,15 @@ stamped with the model step the engine held when that token was produced.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import re
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -82,21 +84,50 @@ class _Request:
         return Generation(self.token_ids[:count], self.logprobs[:count], versions, finish_reason, text)
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """Simulated seconds, and a timer on them."""
+
+    def now(self) -> float: ...
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer: ...
+
+
+class WallClock:
+    """The default: simulated time runs ``compression`` times faster than the wall clock,
+    from its creation on; timers are the running event loop's."""
+
+    def __init__(self, compression: float) -> None:
+        self.compression = compression
+        self._t0 = time.monotonic()
+
+    def now(self) -> float:
+        return (time.monotonic() - self._t0) * self.compression
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        return asyncio.get_running_loop().call_later(delay / self.compression, callback)
+
+
 class SimEngine:
-    def __init__(self, settings: SimEngineSettings, model_step: int = 0) -> None:
+    def __init__(
+        self, settings: SimEngineSettings, model_step: int = 0, *, clock: Clock | None = None
+    ) -> None:
         self.settings = settings
         self.model_step = model_step
         self.paused = False
+        self.clock: Clock = clock or WallClock(settings.time_compression)
         self._queued: list[_Request] = []
         self._running: list[_Request] = []
         self._groups: dict[str, list[_Request]] = {}
-        self._t0 = time.monotonic()
-        self._last = 0.0  # simulated time of the last advance
+        self._last = self.clock.now()  # simulated time of the last advance
+        self._start = self._last
         self._used = 0.0  # decode tokens produced since the last health() (busy numerator)
         self._used_total = 0.0
-        self._window_start = 0.0
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task[None] | None = None
+        self._window_start = self._last
+        self._timer: Timer | None = None
         self._failures = np.random.default_rng([settings.seed, 0xFA11])
 
     # --- the protocol ----------------------------------------------------------------
@@ -104,7 +135,6 @@ class SimEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
     ) -> list[Generation]:
-        self._ensure_loop()
         group = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         prefill = len(prompt_ids) / self.settings.prefill_tps
@@ -112,13 +142,13 @@ class SimEngine:
         self._advance()
         self._groups[group] = requests
         self._queued.extend(requests)
-        self._poke()
+        self._tick()
         try:
             return list(await asyncio.gather(*(r.future for r in requests)))
         except asyncio.CancelledError:
             for request in requests:  # a cancelled caller's requests must not go on decoding
                 self._drop(request)
-            self._poke()
+            self._tick()
             raise
         finally:
             self._groups.pop(group, None)
@@ -129,7 +159,7 @@ class SimEngine:
         for group in groups:
             for request in self._groups[group]:
                 self._finish(request, FINISH_ABORT)
-        self._poke()
+        self._tick()
         return len(groups)
 
     async def pause(self) -> None:
@@ -139,7 +169,7 @@ class SimEngine:
     async def resume(self) -> None:
         self._advance()
         self.paused = False
-        self._poke()
+        self._tick()
 
     async def update_weights(self, model_step: int, path: str | None = None) -> None:
         self._advance()
@@ -152,7 +182,7 @@ class SimEngine:
         window = self._last - self._window_start
         busy = self._used / (self.settings.capacity_tps * window) if window > 0 else self._busy_now()
         self._used, self._window_start = 0.0, self._last
-        capacity = self.settings.capacity_tps * self._last
+        capacity = self.settings.capacity_tps * (self._last - self._start)
         return EngineHealth(
             healthy=True,
             model_step=self.model_step,
@@ -194,9 +224,6 @@ class SimEngine:
             runs=[(0, self.model_step)],
         )
 
-    def _now(self) -> float:
-        return (time.monotonic() - self._t0) * self.settings.time_compression
-
     def _decoding(self) -> list[_Request]:
         return [r for r in self._running if r.prefill_left <= 0]
 
@@ -209,12 +236,12 @@ class SimEngine:
 
     def _advance(self) -> None:
         """Move simulated time to now; between two calls the rates were constant."""
-        now = self._now()
+        now = self.clock.now()
         dt, self._last = now - self._last, now
-        if self.paused or dt <= 0:
+        if self.paused or dt < 0:
             return
         # Requests whose prefill ends inside dt start decoding at the next advance: the
-        # loop wakes at every prefill end, so what that drops is the wake-up latency.
+        # timer fires at every prefill end, so what that drops is the timer's latency.
         decoding = self._decoding()
         rate = self._rate(len(decoding))
         for request in decoding:
@@ -223,7 +250,10 @@ class SimEngine:
         self._used_total += rate * len(decoding) * dt
         for request in self._running:
             if request.prefill_left > 0:
-                request.prefill_left -= dt
+                # a remainder below _EPS is float rounding, not prefill: a clock that steps
+                # exactly to the prefill's end would otherwise never get past it
+                left = request.prefill_left - dt
+                request.prefill_left = left if left > _EPS else 0.0
         for request in list(self._running):
             if request.fails and request.prefill_left <= 0:
                 self._fail(request)
@@ -260,24 +290,16 @@ class SimEngine:
 
     # --- the clock -------------------------------------------------------------------
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    def _schedule(self) -> None:
+        """Set the timer to the next event: the model is exact only if time is advanced
+        at every event."""
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = self._next_event()
+        self._timer = None if delay is None else self.clock.call_later(delay, self._tick)
 
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    async def _run(self) -> None:
-        assert self._wake is not None
-        while True:
-            self._advance()
-            delay = self._next_event()
-            self._wake.clear()
-            timeout = None if delay is None else delay / self.settings.time_compression
-            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
-            # that lands as the wait ends, and this loop would then never stop
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._wake.wait()
+    def _tick(self) -> None:
+        """Advance to now (queued requests take the slots that are free), then set the
+        timer to the next event."""
+        self._advance()
+        self._schedule()
