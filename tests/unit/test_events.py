@@ -1,11 +1,27 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import pytest
 import redis
 
+import shared.events
 from shared.events import PAUSE, WEIGHT_SYNC, RunControl
 from shared.keys import Keys
+
+
+class FrozenTime:
+    """shared.events' view of the time module: time.time() moves only when a test says."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
 
 
 def test_weight_sync_sets_the_model_step_and_followers_see_it(fake_client: redis.Redis) -> None:
@@ -21,7 +37,11 @@ def test_weight_sync_sets_the_model_step_and_followers_see_it(fake_client: redis
     assert control.last_event_id() == events[-1].id
 
 
-def test_heartbeats_list_live_producers_and_drop_dead_ones(fake_client: redis.Redis) -> None:
+def test_heartbeats_list_live_producers_and_drop_dead_ones(
+    fake_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FrozenTime(1_000_000.0)
+    monkeypatch.setattr(shared.events, "time", clock)
     control = RunControl(fake_client, Keys("exp"))
     control.heartbeat("p1", 2, 5)
     control.heartbeat("p2", 1, 0)
@@ -29,7 +49,7 @@ def test_heartbeats_list_live_producers_and_drop_dead_ones(fake_client: redis.Re
         ("p1", 2, 5),
         ("p2", 1, 0),
     ]
-    time.sleep(0.05)
+    clock.now += 0.05
     control.heartbeat("p2", 2, 1)
     assert [b.producer for b in control.producers(0.04)] == ["p2"]
     assert fake_client.hexists(Keys("exp").state, "producer:p1") == 0
