@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import redis
+
 from shared.records import Group, Prompt, Sample
 
 T = TypeVar("T")
@@ -47,6 +49,17 @@ def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def wait_idle(client: redis.Redis, stream: str, group: str, idle_ms: int, timeout: float = 10.0) -> None:
+    """Wait until the entries pending in a consumer group (at least one) have all been idle
+    ``idle_ms``: claims that another consumer may now reclaim as abandoned."""
+
+    def idle() -> bool:
+        pending = client.xpending_range(stream, group, "-", "+", 1000)
+        return bool(pending) and all(p["time_since_delivered"] >= idle_ms for p in pending)
+
+    wait_for(idle, timeout)
 
 
 async def wait_for_async(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:

@@ -3,8 +3,6 @@ tests/integration."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -13,7 +11,7 @@ from shared.keys import PRODUCERS
 from shared.records import Status
 from shared.status import run_status
 from tests.conftest import BufferFactory
-from tests.helpers import group_for, prompts
+from tests.helpers import group_for, prompts, wait_idle
 
 
 def test_feed_is_idempotent_by_uid(fake_buffer: BufferFactory) -> None:
@@ -151,10 +149,11 @@ def test_reclaim_after_idle_and_dead_letter_after_max_attempts(fake_buffer: Buff
     a.feed(prompts("math", 1))
     assert [c.entry.deliveries for c in a.claim("math", 1)] == [1]
     assert b.claim("math", 1) == []  # not idle yet
-    time.sleep(0.45)
+    stream = a.keys.prompts("math")
+    wait_idle(a.client, stream, PRODUCERS, 300)
     (again,) = b.claim("math", 1)
     assert (again.prompt.uid, again.entry.deliveries) == ("u0", 2)
-    time.sleep(0.45)
+    wait_idle(a.client, stream, PRODUCERS, 300)
     assert a.claim("math", 1) == []  # third delivery would pass max_attempts
     ((_, dead),) = a.client.xrange(a.keys.dead)
     assert dead[b"attempts"] == b"3"
