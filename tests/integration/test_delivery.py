@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -23,7 +22,7 @@ from shared.connection import connect
 from shared.embedded import EmbeddedRedis
 from shared.keys import PRODUCERS, TRAINER
 from tests.conftest import SettingsFactory
-from tests.helpers import group_for, prompts, wait_for
+from tests.helpers import group_for, prompts, wait_for, wait_idle
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +62,7 @@ CLAIMER = textwrap.dedent(
     buffer = ReplayBuffer(connect(settings.redis), settings, "doomed")
     claims = buffer.claim("math", 3)
     print(" ".join(c.prompt.uid for c in claims), flush=True)
-    time.sleep(600)
+    time.sleep(600)  # holds the claims until the test kills it
     """
 )
 
@@ -93,7 +92,7 @@ def test_killed_consumer_leaves_claims_pending_and_another_reclaims(make, server
     # When another producer claims before and after claim_idle_ms
     fresh = survivor.claim("math", 5)
     assert [c.prompt.uid for c in fresh] == ["u3", "u4"]
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(survivor.client, stream, PRODUCERS, IDLE_MS)
     reclaimed = survivor.claim("math", 5)
 
     # Then it gets the dead producer's prompts, second delivery, and can complete them
@@ -109,10 +108,10 @@ def test_entry_delivered_more_than_max_attempts_is_dead_lettered(make) -> None: 
     a, b = make("a", max_attempts=2), make("b", max_attempts=2)
     a.feed(prompts("math", 2))
     (first,) = a.claim("math", 1)
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(a.client, a.keys.prompts("math"), PRODUCERS, IDLE_MS)
     (second,) = b.claim("math", 1)  # reclaimed: delivery 2
     assert second.prompt.uid == first.prompt.uid == "u0"
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(a.client, a.keys.prompts("math"), PRODUCERS, IDLE_MS)
     # the next reclaim would be delivery 3 > max_attempts: dead letter, and u1 flows on
     (third,) = a.claim("math", 1)
     assert third.prompt.uid == "u1"
@@ -157,7 +156,7 @@ def test_slow_producer_whose_prompt_was_reclaimed_and_completed_writes_nothing(m
     slow, fast, trainer = make("slow"), make("fast"), make("trainer")
     slow.feed(prompts("math", 1))
     (claim_slow,) = slow.claim("math", 1)
-    time.sleep(IDLE_MS / 1000 * 1.5)  # the slow one is still generating
+    wait_idle(slow.client, slow.keys.prompts("math"), PRODUCERS, IDLE_MS)  # the slow one still generates
     (claim_fast,) = fast.claim("math", 1)
     assert claim_fast.entry.id == claim_slow.entry.id
     assert fast.complete(claim_fast, group_for(claim_fast.prompt, step=1)) is not None
@@ -173,7 +172,7 @@ def test_reclaimed_but_unfinished_claim_fences_the_old_owner(make) -> None:  # t
     old, new = make("old"), make("new")
     old.feed(prompts("math", 1))
     (claim_old,) = old.claim("math", 1)
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(old.client, old.keys.prompts("math"), PRODUCERS, IDLE_MS)
     (claim_new,) = new.claim("math", 1)
     assert old.complete(claim_old, group_for(claim_old.prompt)) is None
     assert old.abort(claim_old) is None
@@ -186,7 +185,7 @@ def test_complete_many_lands_its_own_claims_and_skips_one_reclaimed_by_another(m
     slow, fast, trainer = make("slow"), make("fast"), make("trainer")
     slow.feed(prompts("math", 4))
     first = slow.claim("math", 1)
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(slow.client, slow.keys.prompts("math"), PRODUCERS, IDLE_MS)
     (taken,) = fast.claim("math", 1)  # the first claim looked abandoned
     assert taken.entry.id == first[0].entry.id
     rest = slow.claim("math", 3)  # fresh: slow's own
@@ -241,7 +240,7 @@ def test_expire_is_fenced_by_the_trainer_that_holds_the_group(make) -> None:  # 
     (claim,) = producer.claim("math", 1)
     producer.complete(claim, group_for(claim.prompt))
     (item1,) = t1.read_batch("math", 1).items
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(t1.client, t1.keys.groups("math"), TRAINER, IDLE_MS)
     (item2,) = t2.read_batch("math", 1).items  # t1 looked dead: t2 took it over
     assert t1.expire(item1) is None
     assert t1.commit(t1.read_batch("math", 1)) == []
@@ -257,7 +256,7 @@ def test_commit_reports_groups_taken_over_by_another_trainer(make) -> None:  # t
     for claim in producer.claim("math", 2):
         producer.complete(claim, group_for(claim.prompt))
     batch = t1.read_batch("math", 2)
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(t1.client, t1.keys.groups("math"), TRAINER, IDLE_MS)
     stolen = t2.read_batch("math", 1)
     assert t1.commit(batch) == [stolen.items[0].entry.id]
     assert t2.commit(stolen) == []
@@ -313,16 +312,20 @@ def test_entry_deleted_while_pending_becomes_a_dead_letter_once(make) -> None:  
     a.feed(prompts("math", 2))
     claims = a.claim("math", 2)
     a.client.xdel(a.keys.prompts("math"), claims[0].entry.id)  # as MAXLEN trimming would
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(a.client, a.keys.prompts("math"), PRODUCERS, IDLE_MS)
     reclaimed = b.claim("math", 5)
     assert [c.prompt.uid for c in reclaimed] == ["u1"]
     ((_, dead),) = b.client.xrange(b.keys.dead)
     assert dead[b"reason"] == b"deleted while pending"
     assert dead[b"source_id"] == claims[0].entry.id.encode()
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(a.client, a.keys.prompts("math"), PRODUCERS, IDLE_MS)
     assert [c.prompt.uid for c in a.claim("math", 5)] == ["u1"]
     assert b.client.xlen(b.keys.dead) == 1
     assert b.client.xpending(b.keys.prompts("math"), PRODUCERS)["pending"] == 1
+
+
+def blocked_in_xreadgroup(client: redis.Redis) -> bool:
+    return any(c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in client.client_list())
 
 
 def test_blocking_claim_wakes_on_new_work(make) -> None:  # type: ignore[no-untyped-def]
@@ -335,7 +338,7 @@ def test_blocking_claim_wakes_on_new_work(make) -> None:  # type: ignore[no-unty
         target=lambda: got.extend(c.prompt.uid for c in waiter.claim("math", 2, block_ms=5000))
     )
     thread.start()
-    time.sleep(0.2)
+    wait_for(lambda: blocked_in_xreadgroup(waiter.client))  # new work then wakes it, not finds it
     feeder.feed(prompts("math", 1))
     thread.join(timeout=5)
     assert got == ["u0"]
@@ -346,11 +349,12 @@ def test_touched_claims_are_not_reclaimed_and_a_lost_one_is_reported(make) -> No
     slow, other = make("slow"), make("other")
     slow.feed(prompts("math", 2))
     held = slow.claim("math", 2)
-    for _ in range(3):  # a generation three times longer than claim_idle_ms, with heartbeats
-        time.sleep(IDLE_MS / 1000 * 0.6)
+    stream = slow.keys.prompts("math")
+    for _ in range(3):  # a generation 1.8 times longer than claim_idle_ms, with heartbeats
+        wait_idle(slow.client, stream, PRODUCERS, int(IDLE_MS * 0.6))
         assert slow.touch(c.entry for c in held) == []
     assert other.claim("math", 2) == []
-    time.sleep(IDLE_MS / 1000 * 1.5)  # heartbeats stop: the claims are taken over
+    wait_idle(slow.client, stream, PRODUCERS, IDLE_MS)  # heartbeats stop: the claims are taken over
     taken = other.claim("math", 2)
     assert len(taken) == 2
     assert taken[0].entry.deliveries == 2  # touching did not count as a delivery
@@ -361,7 +365,7 @@ def test_own_idle_claims_are_not_taken_back(make) -> None:  # type: ignore[no-un
     producer = make("p")
     producer.feed(prompts("math", 3))
     held = producer.claim("math", 2)
-    time.sleep(IDLE_MS / 1000 * 1.5)
+    wait_idle(producer.client, producer.keys.prompts("math"), PRODUCERS, IDLE_MS)
     more = producer.claim("math", 5)
     assert [c.prompt.uid for c in more] == ["u2"]
     assert [c.prompt.uid for c in held] == ["u0", "u1"]
