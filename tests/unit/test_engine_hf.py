@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from producer.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineError, SamplingParams  # noqa: E402
 from producer.engines.hf import HFEngine  # noqa: E402
 from shared.settings import HFEngineSettings  # noqa: E402
+from tests.helpers import wait_for_async  # noqa: E402
 from tests.hf_fixtures import make_tokenizer, save_model  # noqa: E402
 
 PROMPT = "the cat sat on the mat"
@@ -53,8 +54,11 @@ def count_steps(engine: HFEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 async def wait_for_steps(steps: list[int], count: int) -> None:
-    while steps[0] < count:
-        await asyncio.sleep(0.001)
+    await wait_for_async(lambda: steps[0] >= count, timeout=60, interval=0.001)
+
+
+async def outstanding(engine: HFEngine) -> int:
+    return (await engine.health()).outstanding
 
 
 def run(coro: Any) -> Any:
@@ -171,17 +175,18 @@ def test_update_weights_changes_outputs_and_versions(engine: HFEngine, model_dir
     assert run(reference.generate(prompt, greedy()))[0].response_ids.tolist() == after.response_ids.tolist()
 
 
-def test_update_weights_mid_request_stamps_later_tokens(engine: HFEngine) -> None:
+def test_update_weights_mid_request_stamps_later_tokens(
+    engine: HFEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prompt = engine.encode_prompt(PROMPT)
+    steps = count_steps(engine, monkeypatch)
 
     async def scenario() -> Any:
         task = asyncio.create_task(engine.generate(prompt, greedy(400), request_id="r"))
-        while (await engine.health()).running == 0:
-            await asyncio.sleep(0)
-        for _ in range(5):  # let a few tokens through
-            await asyncio.sleep(0.002)
-        await engine.update_weights(9)  # no path: only the step moves
-        await asyncio.sleep(0.01)
+        await wait_for_steps(steps, 3)  # the third step runs: two tokens are in, on step 3
+        await engine.update_weights(9)  # no path: only the step moves, between two decode steps
+        # two more steps started: the first of them, on step 9, has added its token
+        await wait_for_steps(steps, steps[0] + 2)
         assert await engine.abort(["r"]) == 1
         return (await task)[0]
 
@@ -203,9 +208,7 @@ def test_abort_returns_partial_tokens(engine: HFEngine, monkeypatch: pytest.Monk
         gens = await task
         return gens, count, await engine.health()
 
-    started = time.monotonic()
-    gens, count, health = run(scenario())
-    assert time.monotonic() - started < 5
+    gens, count, health = run(asyncio.wait_for(scenario(), 60))  # not the 100,000 tokens
     assert count == 1 and health.outstanding == 0
     for gen in gens:
         assert gen.finish_reason == FINISH_ABORT
@@ -242,6 +245,8 @@ def test_pause_holds_decoding_until_resume(engine: HFEngine, monkeypatch: pytest
         await engine.pause()  # returns with no step in flight
         health = await engine.health()
         held = steps[0]
+        # no condition to wait on: the check is that no step runs while paused, over a
+        # stretch in which an unpaused engine runs many
         await asyncio.sleep(0.1)
         assert not task.done()
         held = steps[0] - held
@@ -260,7 +265,7 @@ def test_abort_while_paused(engine: HFEngine) -> None:
     async def scenario() -> Any:
         await engine.pause()
         task = asyncio.create_task(engine.generate(prompt, greedy(30)))
-        await asyncio.sleep(0.05)
+        await wait_for_async(lambda: outstanding(engine))
         assert await engine.abort() == 1
         return (await asyncio.wait_for(task, 5))[0]
 
