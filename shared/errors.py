@@ -2,12 +2,14 @@
 
 RollstreamError
 ├── SettingsError          an invalid setting: names the setting and what is allowed
+│   └── RunSettingsMismatch  this process disagrees with the run's published settings
 ├── RedisUnavailable       Redis did not answer: names the URL (never the password)
 ├── RedisTooOld            the server lacks a command we need (XAUTOCLAIM: 6.2)
 ├── ServerNotFound         no redis-server binary to start an embedded server with
 ├── InputError             bad user input
 │   └── PromptFileError    a malformed prompt line: file, line and field
 ├── DecodeError            a stream entry that cannot be decoded into a record
+├── WaitTimeout            what a process waited for did not come in time
 ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
 └── ReplayBufferError      a replay-buffer operation that cannot proceed
     └── BatchTimeout       not enough groups arrived in time
@@ -27,10 +29,19 @@ class SettingsError(RollstreamError):
 class RedisUnavailable(RollstreamError):
     """Redis could not be reached at the configured URL."""
 
-    def __init__(self, url: str, reason: str) -> None:
+    def __init__(self, url: str, reason: str, *, retryable: bool = True) -> None:
         super().__init__(f"Redis is not reachable at {url}: {reason}")
         self.url = url
         self.reason = reason
+        self.retryable = retryable  # False: waiting will not help (wrong password, refused)
+
+
+class RunSettingsMismatch(SettingsError):
+    """Settings that every process of a run must share differ from the run's."""
+
+
+class WaitTimeout(RollstreamError):
+    """A process waited for something it needs (Redis, engines, a Ray address) too long."""
 
 
 class RedisTooOld(RollstreamError):

@@ -1,24 +1,30 @@
 """The run's control plane: its state hash (model_step, train_step, producer
 heartbeats) and its events stream (weight syncs and control events).
 
-    rs:{run}:state    model_step, train_step, producer:{id} -> heartbeat JSON
+    rs:{run}:state    model_step, train_step, paused, ray_address,
+                      producer:{id} -> heartbeat JSON
     rs:{run}:events   type (weight_sync | pause | resume | stop), model_step, uri, ts
 
-Every producer reads every event (plain XREAD, no consumer group). The stream
-is capped: what a late producer needs is the current model_step, which the
-state hash holds; the events only say when it changed.
+Every process reads every event (plain XREAD, no consumer group). The stream
+is capped: what a late starter needs is the current model_step and whether the
+run is paused, which the state hash holds; the events only say when it changed.
+A process reads the id of the newest event *before* it reads the state, and
+follows from that id, so nothing published in between is missed.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import redis
 
-from shared.keys import MODEL_STEP, TRAIN_STEP, Keys
+from shared.keys import MODEL_STEP, PAUSED, RAY_ADDRESS, TRAIN_STEP, Keys
 from shared.streams import text
 
 EVENTS_CAP = 10_000
@@ -27,6 +33,14 @@ PAUSE = "pause"
 RESUME = "resume"
 STOP = "stop"
 PRODUCER_PREFIX = "producer:"
+CONTROL_EVENTS = (PAUSE, RESUME, STOP)
+# HSET field to the new value only when it is larger: steps never move backwards
+_ADVANCE = """
+local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
+if tonumber(ARGV[2]) > current then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 0
+"""
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,16 +75,37 @@ class RunControl:
         value = self.client.hget(self.keys.state, TRAIN_STEP)
         return 0 if value is None else int(value)
 
-    def set_train_step(self, step: int) -> None:
-        self.client.hset(self.keys.state, TRAIN_STEP, step)
+    def advance_train_step(self, step: int) -> None:
+        """Record ``step`` as committed unless a later one already is."""
+        self.client.eval(_ADVANCE, 1, self.keys.state, TRAIN_STEP, step)
+
+    def paused(self) -> bool:
+        return self.client.hget(self.keys.state, PAUSED) == b"1"
+
+    def ray_address(self) -> str:
+        value = self.client.hget(self.keys.state, RAY_ADDRESS)
+        return "" if value is None else text(value)
+
+    def set_ray_address(self, address: str) -> None:
+        self.client.hset(self.keys.state, RAY_ADDRESS, address)
+
+    def clear_ray_address(self, address: str) -> None:
+        """Forget the recorded address if it is still ``address`` (not a newer cluster's)."""
+        if self.ray_address() == address:
+            self.client.hdel(self.keys.state, RAY_ADDRESS)
 
     def publish(self, type_: str, model_step: int | None = None, uri: str = "") -> str:
-        """Append an event; a weight sync also sets the run's model_step, in one step."""
+        """Append an event; a weight sync also sets the run's model_step, and pause /
+        resume the run's paused flag, in the same transaction."""
         pipe = self.client.pipeline(transaction=True)
         if type_ == WEIGHT_SYNC:
             if model_step is None:
                 raise ValueError("a weight_sync event needs its model_step")
             pipe.hset(self.keys.state, MODEL_STEP, model_step)
+        elif type_ == PAUSE:
+            pipe.hset(self.keys.state, PAUSED, "1")
+        elif type_ == RESUME:
+            pipe.hdel(self.keys.state, PAUSED)
         fields = {
             "type": type_,
             "model_step": -1 if model_step is None else model_step,
@@ -127,3 +162,59 @@ class RunControl:
         if dead:
             self.client.hdel(self.keys.state, *dead)
         return sorted(live, key=lambda b: b.producer)
+
+
+class EventFollower:
+    """Calls ``handle`` for each event of the run from a daemon thread, from the event
+    after ``after`` on (take it with ``last_event_id`` before reading the state). A
+    Redis outage is logged and waited out; an exception in ``handle`` is logged and
+    ends the process's run through ``on_error``: a silent dead follower would leave a
+    process that no longer syncs weights or stops."""
+
+    def __init__(
+        self,
+        control: RunControl,
+        after: str,
+        handle: Callable[[Event], None],
+        on_error: Callable[[BaseException], None],
+        block_ms: int = 500,
+    ) -> None:
+        self.control = control
+        self.after = after
+        self.handle = handle
+        self.on_error = on_error
+        self.block_ms = block_ms
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="events", daemon=True)
+
+    def start(self) -> EventFollower:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.block_ms / 1000 + 5)
+
+    def _run(self) -> None:
+        outage = False
+        while not self._stop.is_set():
+            try:
+                events = self.control.events(self.after, self.block_ms)
+            except redis.RedisError as exc:
+                if not outage:
+                    log.warning("cannot read the run's events, retrying: %s", exc)
+                outage = True
+                self._stop.wait(1.0)
+                continue
+            if outage:
+                log.info("reading the run's events again")
+                outage = False
+            for event in events:
+                self.after = event.id
+                try:
+                    self.handle(event)
+                except Exception as exc:
+                    log.exception("handling event %s (%s) failed", event.id, event.type)
+                    self.on_error(exc)
+                    return

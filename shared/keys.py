@@ -13,7 +13,9 @@ several of them.
     rs:{run}:batch:{batch}    hash    a coordinator batch: status, kind, counts, result
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
-    rs:{run}:state            hash    model_step, train_step, feeder cursors
+    rs:{run}:state            hash    model_step, train_step, feeder cursors, settings,
+                                      ray_address, paused
+    rs:{run}:alive:{role}:{name}  string  a process's heartbeat JSON; expires by itself
     rs:{run}:progress         hash    cumulative counts per task
     rs:{run}:metrics          stream  per-step metrics, capped
     rs:{run}:fed:{task}       set     uids fed by one-shot feeds (idempotence)
@@ -43,6 +45,12 @@ GROUP_OF_KIND = {
 # Fields of rs:{run}:state
 MODEL_STEP = "model_step"
 TRAIN_STEP = "train_step"
+RUN_SETTINGS = "settings"  # the settings every process of the run must share (JSON)
+RAY_ADDRESS = "ray_address"  # the Ray cluster the run's engines live on
+PAUSED = "paused"  # "1" while the run is paused
+
+# Roles of processes in liveness keys and `rollstream status`
+ROLES = ("engines", "producer", "trainer", "feeder", "judge")
 
 
 def progress_field(task: str, counter: str) -> str:
@@ -124,6 +132,16 @@ class Keys:
     @property
     def metrics(self) -> str:
         return f"{self.base}:metrics"
+
+    def alive(self, role: str, name: str) -> str:
+        """The heartbeat key of one process; it expires unless the process renews it."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
+        return f"{self.base}:alive:{role}:{name}"
+
+    @property
+    def alive_pattern(self) -> str:
+        return f"{self.base}:alive:*"
 
     @property
     def pattern(self) -> str:

@@ -25,6 +25,7 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from pydantic_settings.exceptions import SettingsError as PydanticSettingsError
 
 from shared.errors import SettingsError
 
@@ -167,6 +168,38 @@ class ProducerSettings(BaseModel):
     sync_timeout_s: float = Field(default=30.0, gt=0, description="wait for engines to confirm a weight sync")
 
 
+class RaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field(
+        default="",
+        description=(
+            "host:port of the run's Ray cluster; empty: `engines` starts a local one and records "
+            "its address in the run's state, where producers find it"
+        ),
+    )
+
+
+class ProcessSettings(BaseModel):
+    """How every process of a run waits, reports and stops."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wait_timeout_s: float = Field(
+        default=600.0, ge=0, description="longest wait for Redis, engines or a Ray address; 0 = forever"
+    )
+    liveness_ttl_s: float = Field(default=10.0, gt=0, description="a silent process drops out after this")
+    progress_s: float = Field(default=5.0, gt=0, description="seconds between progress log lines")
+    stop_timeout_s: float = Field(default=10.0, gt=0, description="longest clean stop after SIGTERM")
+
+
+class LogSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = Field(default="text", description="json: one object per line")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -182,6 +215,9 @@ class Settings(BaseSettings):
     engines: EngineSettings = Field(default_factory=EngineSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     producer: ProducerSettings = Field(default_factory=ProducerSettings)
+    ray: RaySettings = Field(default_factory=RaySettings)
+    process: ProcessSettings = Field(default_factory=ProcessSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
 
     @model_validator(mode="after")
     def _unique_tasks(self) -> Settings:
@@ -250,6 +286,14 @@ def load_settings(**overrides: Any) -> Settings:
         settings = Settings(**overrides)
     except ValidationError as exc:
         raise SettingsError("\n".join(_describe(e) for e in exc.errors())) from None  # type: ignore[arg-type]
+    except PydanticSettingsError as exc:  # a value that is not JSON where JSON is expected, a bad file
+        found = re.search(r'field "(\w+)" from source "(\w+)"', str(exc))
+        cause = f": {exc.__cause__}" if exc.__cause__ else ""
+        if found is None:
+            raise SettingsError(f"{exc}{cause}") from None
+        field, source = found.groups()
+        where = f"{ENV_PREFIX}{field.upper()}" if source.startswith("Env") else source
+        raise SettingsError(f"invalid setting {field} ({where}): not valid JSON{cause}") from None
     return settings
 
 

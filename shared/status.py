@@ -8,7 +8,8 @@ from typing import Any
 
 import redis
 
-from shared.keys import GROUP_OF_KIND, MODEL_STEP, TRAIN_STEP, Keys
+from shared.keys import GROUP_OF_KIND, MODEL_STEP, PAUSED, POOLS, TRAIN_STEP, Keys
+from shared.liveness import ProcessBeat, live_processes
 from shared.streams import text
 
 
@@ -28,14 +29,32 @@ class StreamStatus:
 
 
 @dataclass(slots=True)
+class TaskAccount:
+    """Where the prompts fed to a task are. ``lost`` is what none of the others holds:
+    0 unless something is wrong."""
+
+    fed: int
+    trained: int  # committed by a trainer
+    waiting: int  # produced, in the groups stream, not yet committed
+    in_pools: int  # prompts, aborted and expired streams: unclaimed or being produced
+    filtered: int
+    dropped: int  # expired with tail_batch_trigger_size -1
+    dead: int
+    lost: int
+
+
+@dataclass(slots=True)
 class RunStatus:
     run: str
     model_step: int | None
     train_step: int | None
+    paused: bool = False
     streams: list[StreamStatus] = field(default_factory=list)
     dead_letters: int = 0
     events: int = 0
     progress: dict[str, int] = field(default_factory=dict)
+    accounts: dict[str, TaskAccount] = field(default_factory=dict)
+    processes: list[ProcessBeat] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,9 +82,11 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
         run=keys.run,
         model_step=_int(state.get(MODEL_STEP.encode())),
         train_step=_int(state.get(TRAIN_STEP.encode())),
+        paused=state.get(PAUSED.encode()) == b"1",
         dead_letters=int(client.xlen(keys.dead)),
         events=int(client.xlen(keys.events)),
-        progress={text(k): int(v) for k, v in sorted(progress.items())},
+        progress={text(k): int(float(v)) for k, v in sorted(progress.items())},
+        processes=live_processes(client, keys),
     )
     for key, kind, task in stream_keys(client, keys):
         group = GROUP_OF_KIND[kind]
@@ -92,4 +113,28 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
                 oldest_pending_idle_ms=idle,
             )
         )
+    status.accounts = _accounts(status)
     return status
+
+
+def _accounts(status: RunStatus) -> dict[str, TaskAccount]:
+    lengths = {(s.kind, s.task): s.length for s in status.streams}
+    tasks = sorted({k.partition(":")[0] for k in status.progress if k.endswith(":fed")})
+    out = {}
+    for task in tasks:
+        count = {c: status.progress.get(f"{task}:{c}", 0) for c in
+                 ("fed", "consumed", "filtered", "expired_dropped", "dead")}  # fmt: skip
+        waiting = lengths.get(("groups", task), 0)
+        in_pools = sum(lengths.get((kind, task), 0) for kind in POOLS)
+        held = count["consumed"] + waiting + in_pools + count["filtered"] + count["expired_dropped"]
+        out[task] = TaskAccount(
+            fed=count["fed"],
+            trained=count["consumed"],
+            waiting=waiting,
+            in_pools=in_pools,
+            filtered=count["filtered"],
+            dropped=count["expired_dropped"],
+            dead=count["dead"],
+            lost=count["fed"] - held - count["dead"],
+        )
+    return out
