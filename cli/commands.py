@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -10,22 +13,38 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
+from cli.process import Process, running, start_line, stop_on_signals, wait_until_gone
 from producer.feeder import Cursor, Feeder
 from producer.prompts import read_prompt_file
 from shared.buffer import ReplayBuffer, default_consumer_name
-from shared.connection import check_server, connect
+from shared.connection import check_server, connect, wait_for_redis
+from shared.errors import InputError, SettingsError
+from shared.events import STOP, RunControl
+from shared.keys import Keys
+from shared.liveness import Heartbeat
+from shared.logs import Ticker, on_terminal
+from shared.runconfig import check_run_settings
 from shared.settings import Settings, redact_url
 from shared.status import RunStatus, run_status
+from shared.waiting import NotYet, wait_until
+
+log = logging.getLogger("rollstream")
 
 
 def _buffer(settings: Settings, role: str) -> ReplayBuffer:
     return ReplayBuffer(connect(settings.redis), settings, default_consumer_name(role))
 
 
-def feed(settings: Settings, path: str, task: str) -> int:
+def feed(settings: Settings, path: str, task: str, stop: threading.Event) -> int:
+    """One-shot feed: every line is checked before anything is written; waits for Redis."""
     settings.task(task)
-    prompts = read_prompt_file(path, task)  # every line is checked before anything is written
-    result = _buffer(settings, "feed").feed(prompts)
+    prompts = read_prompt_file(path, task)
+    start_line("feed", settings, file=path, task=task)
+    client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
+    if client is None:
+        return 0
+    check_run_settings(client, Keys(settings.run), settings, default_consumer_name("feed"))
+    result = ReplayBuffer(client, settings, default_consumer_name("feed")).feed(prompts)
     print(f"{path}: {result.added} prompts added to task {task!r}, {result.existing} already there")
     return 0
 
@@ -40,42 +59,74 @@ def run_feeder(
     seed: int,
     keep_ahead: int,
     stop: threading.Event,
+    until_stopped: bool = False,
 ) -> int:
+    """Keep about ``keep_ahead`` unclaimed prompts in the stream until every epoch is
+    fed; with ``until_stopped`` stay until SIGTERM or the run's stop event after that,
+    so that a process manager does not take a finished feeder for the end of the run."""
     settings.task(task)
-    feeder = Feeder(
-        _buffer(settings, "feeder"),
-        path,
-        task,
-        epochs=epochs,
-        shuffle=shuffle,
-        seed=seed,
-        keep_ahead=keep_ahead,
-    )
-    _, cursor = feeder.start_cursor()
-    total = len(feeder.offsets) * epochs
-    with tqdm(total=total, initial=feeder.done(cursor), unit="prompt", desc=f"feed {task}") as bar:
+    state: dict[str, Any] = {"fed": 0, "epoch": 0}
+    with running(
+        settings, "feeder", stop, detail=lambda: dict(state), task=task, file=path, epochs=epochs
+    ) as process:
+        if process is None:
+            return 0
+        feeder = Feeder(
+            ReplayBuffer(process.client, settings, process.name),
+            path,
+            task,
+            epochs=epochs,
+            shuffle=shuffle,
+            seed=seed,
+            keep_ahead=keep_ahead,
+        )
+        _, cursor = feeder.start_cursor()
+        total = len(feeder.offsets) * epochs
+        log.info("feeder: %d prompts x %d epochs, at epoch %d position %d", len(feeder.offsets), epochs,
+                 cursor.epoch, cursor.pos)  # fmt: skip
+        with tqdm(total=total, initial=feeder.done(cursor), unit="prompt", desc=f"feed {task}",
+                  disable=not on_terminal()) as bar:  # fmt: skip
+            ticker = Ticker(settings.process.progress_s)
 
-        def on_fed(n: int, at: Cursor) -> None:
-            bar.update(n)
-            bar.set_postfix(epoch=at.epoch)
+            def on_fed(n: int, at: Cursor) -> None:
+                bar.update(n)
+                state.update(fed=state["fed"] + n, epoch=at.epoch, pos=at.pos)
+                if ticker.due():
+                    log.info("feeder: %d prompts fed, epoch %d of %d", feeder.done(at), at.epoch, epochs)
 
-        stats = feeder.run(stop, on_fed)
-    state = "stopped" if stats.epoch < epochs else "done"
-    print(f"{path}: {state} after {stats.fed} prompts this run, epoch {stats.epoch} of {epochs}")
+            stats = feeder.run(stop, on_fed)
+        done = stats.epoch >= epochs
+        log.info("feeder: %s after %d prompts this run, epoch %d of %d",
+                 "done" if done else "stopped", stats.fed, stats.epoch, epochs)  # fmt: skip
+        if done and until_stopped and not stop.is_set():
+            log.info("feeder: every epoch is fed; staying until stopped (the cursor is kept)")
+            state["done"] = True
+            stop.wait()
     return 0
 
 
 def format_status(status: RunStatus) -> str:
     lines = [
-        f"run {status.run}: model_step {status.model_step}, train_step {status.train_step}, "
-        f"dead letters {status.dead_letters}, events {status.events}",
+        f"run {status.run}: model_step {status.model_step}, train_step {status.train_step}"
+        f"{', PAUSED' if status.paused else ''}, dead letters {status.dead_letters}, events {status.events}",
         f"{'stream':44} {'length':>7} {'pending':>7} {'lag':>7} {'consumers':>9} {'oldest idle':>11}",
     ]
     for s in status.streams:
         idle = "-" if s.oldest_pending_idle_ms is None else f"{s.oldest_pending_idle_ms / 1000:.1f}s"
         lines.append(f"{s.key:44} {s.length:>7} {s.pending:>7} {s.lag:>7} {s.consumers:>9} {idle:>11}")
+    for task, a in status.accounts.items():
+        lines.append(
+            f"prompts of {task}: fed {a.fed} = trained {a.trained} + waiting {a.waiting} + in pools "
+            f"{a.in_pools} + filtered {a.filtered} + dropped {a.dropped} + dead {a.dead} + lost {a.lost}"
+        )
     if status.progress:
         lines.append("counts: " + ", ".join(f"{k}={v}" for k, v in status.progress.items()))
+    lines.append(
+        f"processes ({len(status.processes)} alive):" if status.processes else "processes: none alive"
+    )
+    for p in status.processes:
+        detail = ", ".join(f"{k} {v}" for k, v in p.detail.items())
+        lines.append(f"  {p.role:9} {p.name:40} heartbeat {p.age_s:4.1f}s ago  {detail}")
     return "\n".join(lines)
 
 
@@ -89,72 +140,236 @@ def status(settings: Settings, *, as_json: bool) -> int:
     return 0
 
 
-def check(settings: Settings) -> int:
+def check(settings: Settings, *, engines: bool = False) -> int:
+    """Exit 0 when Redis answers (and, with ``engines``, every engine of the run)."""
     client = connect(settings.redis, check=False)
     version = check_server(client, settings.redis.url)
     print(f"Redis {version} answers at {redact_url(settings.redis.url)}")
+    if not engines:
+        return 0
+    from producer.pool import EnginePool, PoolError, init_ray
+
+    address = settings.ray.address or RunControl(client, Keys(settings.run)).ray_address()
+    if not address:
+        raise PoolError(f"run {settings.run!r} has no Ray address: is `rollstream engines` running?")
+    init_ray(address)
+    pool = EnginePool.attach(settings)
+    assert pool is not None
+    silent = []
+    for i, health in enumerate(pool.probe()):
+        if health is None:
+            silent.append(i)
+            print(f"engine {i} ({pool.handles[i]}) does not answer")
+        else:
+            print(f"engine {i} answers: model step {health.model_step}, {health.outstanding} requests")
+    if silent:
+        raise PoolError(f"{len(silent)} of {len(pool.handles)} engines do not answer: {silent}")
     return 0
+
+
+def control(settings: Settings, action: str) -> int:
+    """pause / resume / stop: an event on the run's events stream that every process follows."""
+    client = connect(settings.redis)
+    event_id = RunControl(client, Keys(settings.run)).publish(action)
+    print(f"run {settings.run!r}: {action} published (event {event_id})")
+    return 0
+
+
+def redis_server(settings: Settings, config: str, data_dir: str) -> int:
+    """Run redis-server in the foreground with ``config``, on the port of the run's Redis
+    URL (and its password), keeping its append-only file in ``data_dir``. It replaces
+    this process: SIGTERM reaches redis-server, which saves and exits 0."""
+    from urllib.parse import urlsplit
+
+    from shared.embedded import find_redis_server
+
+    url = urlsplit(settings.redis.url)
+    if url.scheme != "redis" or url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise SettingsError(
+            "`rollstream redis` serves this machine's loopback; redis.url is "
+            f"{redact_url(settings.redis.url)} (run your own redis-server for other addresses)"
+        )
+    if not Path(config).is_file():
+        raise InputError(f"{config}: no such file (run from the repository root, or give --config)")
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    binary = find_redis_server()
+    args = [binary, config, "--port", str(url.port or 6379), "--dir", str(Path(data_dir).resolve())]
+    if url.password:
+        args += ["--requirepass", url.password]
+    log.info("redis starting: %s %s, port %s, data in %s", binary, config, url.port or 6379, data_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(binary, args)
+    return 0  # not reached
 
 
 def engines(
     settings: Settings, *, address: str | None, foreground: bool, stop_engines: bool, stop: threading.Event
 ) -> int:
-    """Start the run's engine actors and exit (they are detached), keep them tied to this
-    process (--foreground), or remove them (--stop)."""
-    import ray  # slow to import: only the commands that use Ray pay for it
+    """Start the run's engine actors and exit (detached: they need a Ray cluster that
+    outlives this command), keep them while this process runs (--foreground), or remove
+    them (--stop)."""
+    import ray
 
-    from producer.pool import EnginePool, actor_name, init_ray, namespace
+    from producer.pool import EnginePool, PoolError, actor_name, init_ray, namespace
 
-    init_ray(address, local=foreground)
+    address = address or settings.ray.address
+    if not foreground and not address and not stop_engines:
+        raise SettingsError(
+            "detached engines need a Ray cluster that outlives this command: set ray.address "
+            "(ROLLSTREAM_RAY__ADDRESS) to one started with `ray start --head`, or use --foreground"
+        )
     if stop_engines:
+        client = connect(settings.redis)
+        recorded = RunControl(client, Keys(settings.run)).ray_address()
+        if not (address or recorded):
+            raise PoolError(f"run {settings.run!r} has no Ray address: no engines to stop")
+        init_ray(address or recorded)
         killed = EnginePool.stop(settings)
         print(f"stopped {killed} engine actors of run {settings.run!r}")
         return 0
-    EnginePool.start(settings, detached=not foreground)
-    names = ", ".join(actor_name(settings.run, i) for i in range(settings.engines.count))
-    print(
-        f"{settings.engines.count} {settings.engines.kind} engines ready: {names} "
-        f"(namespace {namespace(settings.run)}, Ray at {ray.get_runtime_context().gcs_address})",
-        flush=True,
-    )
-    if foreground:
-        stop.wait()
-        EnginePool.stop(settings)
+    pool: list[EnginePool] = []
+
+    def detail() -> dict[str, Any]:
+        if not pool:
+            return {"engines": 0}
+        steps = [h.model_step if h is not None else None for h in pool[0].probe(timeout_s=1.0)]
+        return {"engines": len(steps), "model_steps": steps, "ray": gcs}
+
+    gcs = ""
+    with running(settings, "engines", stop, detail=detail, heartbeat=False, kind=settings.engines.kind,
+                 count=settings.engines.count, ray=address or "a local cluster") as process:  # fmt: skip
+        if process is None:
+            return 0
+        gcs = init_ray(address, local=True)
+        stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
+        log.info("engines: Ray cluster at %s%s", gcs, "" if address else " (started by this process)")
+        pool.append(EnginePool.start(settings, detached=not foreground))
+        process.control.set_ray_address(gcs)
+        names = ", ".join(actor_name(settings.run, i) for i in range(settings.engines.count))
+        log.info("%d %s engines ready: %s (namespace %s)", settings.engines.count, settings.engines.kind,
+                 names, namespace(settings.run))  # fmt: skip
+        if not foreground:
+            return 0
+        beat = Heartbeat(process.liveness, detail).start()
+        try:
+            stop.wait()
+            _wait_for_producers_to_leave(process)
+        finally:
+            beat.stop()
+            killed = EnginePool.stop(settings)
+            process.control.clear_ray_address(gcs)
+            log.info("engines: removed %d engine actors of run %r", killed, settings.run)
+            ray.shutdown()  # now, not at exit: this process's Ray cluster goes with it
+            stop_on_signals(stop)  # ray.shutdown put the default SIGTERM handler back
     return 0
 
 
-def produce(settings: Settings, *, burst: bool, local_engines: bool, address: str | None) -> int:
-    """Run a producer until SIGTERM (or, with burst, until no work is left)."""
+def _wait_for_producers_to_leave(process: Process) -> None:
+    """Producers stopping at the same time still hand their in-flight groups back through
+    the engines: keep the engines until they are gone, up to process.stop_timeout_s."""
+    wait_until_gone(process, ("producer",))
+
+
+def produce(
+    settings: Settings, *, burst: bool, local_engines: bool, address: str | None, stop: threading.Event
+) -> int:
+    """Run a producer until SIGTERM or the run's stop event (or, with burst, until it
+    has no work it may take)."""
     import asyncio
-    import signal
 
     from producer.pool import BasePool, EnginePool, LocalPool, init_ray
     from producer.worker import Producer
 
-    client = connect(settings.redis)
-    pool: BasePool
-    if local_engines:
-        pool = LocalPool.start(settings)
-    else:
-        init_ray(address)
-        pool = EnginePool.attach(settings)
+    with running(settings, "producer", stop, heartbeat=False, follow=False, mode=settings.rollout.mode,
+                 engines="local" if local_engines else settings.engines.kind) as process:  # fmt: skip
+        if process is None:
+            return 0
+        pool: BasePool | None
+        if local_engines:
+            pool = LocalPool.start(settings)
+        else:
+            ray_address = address or settings.ray.address or _recorded_ray_address(process)
+            if not ray_address:
+                return 0
+            init_ray(ray_address)
+            stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
+            pool = EnginePool.attach(settings, settings.process.wait_timeout_s, stop)
+            if pool is None:
+                return 0
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        producer = Producer(settings, client, pool)
-        print(f"producer {producer.name} on run {settings.run!r} ({settings.rollout.mode})", flush=True)
-        progress = asyncio.create_task(show_progress(producer))
-        try:
-            stats = await producer.run(stop, burst=burst)
-        finally:
-            progress.cancel()
-        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "nothing"
-        print(f"producer {producer.name} stopped: {outcomes}; {stats.weight_syncs} weight syncs", flush=True)
+        async def main() -> None:
+            done = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            watcher = threading.Thread(target=_hand_to_loop, args=(stop, loop, done), daemon=True)
+            watcher.start()
+            producer = Producer(settings, process.client, pool, name=process.name, liveness=process.liveness)
+            stats = await producer.run(done, burst=burst)
+            process.run_stopped = producer.run_stopped
+            outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "nothing"
+            log.info("producer %s stopped: %s; %d weight syncs", producer.name, outcomes, stats.weight_syncs)
+            print(
+                f"producer {producer.name} stopped: {outcomes}; {stats.weight_syncs} weight syncs", flush=True
+            )
 
-    asyncio.run(main())
+        asyncio.run(main())
+        if not local_engines:
+            import ray
+
+            ray.shutdown()  # while the engines' cluster still runs: it waits for producers
+    return 0
+
+
+def _hand_to_loop(stop: threading.Event, loop: Any, done: Any) -> None:
+    """SIGTERM sets the thread-side flag; the producer waits on an asyncio event."""
+    stop.wait()
+    with contextlib.suppress(RuntimeError):  # the loop already ended (the run's stop event)
+        loop.call_soon_threadsafe(done.set)
+
+
+def _recorded_ray_address(process: Process) -> str | None:
+    """The Ray address the run's engines process recorded, waiting for it."""
+
+    def probe() -> str:
+        address = process.control.ray_address()
+        if not address:
+            raise NotYet("no engines process has recorded one yet (is `rollstream engines` running?)")
+        return address
+
+    what = f"the Ray address of run {process.settings.run!r}"
+    return wait_until(probe, what, process.settings.process.wait_timeout_s, process.stop)
+
+
+def judge(settings: Settings, *, stop: threading.Event, burst: bool = False) -> int:
+    """An rq worker on the judge queue (JSON serializer, never pickle) that waits for Redis,
+    keeps a heartbeat and follows the run's stop event. rq installs its own SIGTERM
+    handler (a warm shutdown: the running job finishes); a stop event is handed to it
+    the same way."""
+    import os
+    import signal
+
+    from rq import Queue, Worker
+    from rq.serializers import JSONSerializer
+
+    from producer.judges.rq import JUDGE_QUEUE
+
+    with running(settings, "judge", stop, queue=JUDGE_QUEUE) as process:
+        if process is None:
+            return 0
+        queue = Queue(JUDGE_QUEUE, connection=process.client, serializer=JSONSerializer)
+        worker = Worker([queue], connection=process.client, serializer=JSONSerializer)
+
+        def hand_over() -> None:
+            stop.wait()
+            if process.run_stopped:  # producers still wait on their last judge jobs
+                wait_until_gone(process, ("producer",))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=hand_over, daemon=True).start()
+        # rq logs four lines per job at INFO: only with -v
+        level = logging.getLogger().level
+        worker.work(burst=burst, logging_level="DEBUG" if level <= logging.DEBUG else "WARNING")
+        log.info("judge: worker %s stopped", worker.name)
     return 0
 
 
@@ -164,12 +379,15 @@ def train(
     steps: int,
     step_time_s: float,
     consumer: str,
+    stop: threading.Event,
     hf_model: str | None = None,
     weights_dir: str = "weights",
     lr: float = 1e-5,
+    stop_run: bool = False,
 ) -> int:
-    """The reference trainer for ``steps`` steps, a line per step and a tqdm bar; with
-    ``hf_model`` a real policy-gradient update whose weights the hf engines load."""
+    """The reference trainer for ``steps`` steps, a log line per step (and a tqdm bar on
+    a terminal); with ``hf_model`` a real policy-gradient update whose weights the hf
+    engines load; with ``stop_run`` the run's stop event once the steps are done."""
     from consumer.trainer import ReferenceTrainer, StepLog
 
     policy = None
@@ -177,20 +395,34 @@ def train(
         from consumer.pg import PolicyGradient
 
         policy = PolicyGradient(hf_model, weights_dir, lr=lr, device=settings.engines.hf.device)
-    client = connect(settings.redis)
-    trainer = ReferenceTrainer(client, settings, step_time_s=step_time_s, consumer=consumer, policy=policy)
-    with tqdm(total=steps, unit="step", desc="train") as bar:
+    last: dict[str, Any] = {}
+    rollout = settings.rollout
+    with running(
+        settings, "trainer", stop, name=consumer, detail=lambda: dict(last),
+        steps=steps, batch_size=rollout.batch_size, max_staleness=rollout.max_staleness,
+    ) as process:  # fmt: skip
+        if process is None:
+            return 0
+        trainer = ReferenceTrainer(process.client, settings, step_time_s=step_time_s, consumer=consumer,
+                                   policy=policy)  # fmt: skip
+        with tqdm(total=steps, unit="step", desc="train", disable=not on_terminal()) as bar:
 
-        def on_step(entry: StepLog) -> None:
-            bar.update(1)
-            reward = "-" if entry.reward_mean is None else f"{entry.reward_mean:.3f}"
-            staleness = dict(sorted(entry.staleness.items()))
-            bar.write(
-                f"step {entry.step}: {entry.groups} groups, staleness {staleness}, reward {reward}, "
-                f"wait {entry.wait_s:.2f} s, idle {entry.idle_fraction:.0%}, expired {entry.expired}"
-            )
+            def on_step(entry: StepLog) -> None:
+                bar.update(1)
+                last.update(step=entry.step, groups=entry.groups)
+                reward = "-" if entry.reward_mean is None else f"{entry.reward_mean:.3f}"
+                log.info(
+                    "trainer: step %d, %d groups, expired %d, staleness %s, reward %s, step %.2f s, "
+                    "waited %.2f s",
+                    entry.step, entry.groups, entry.expired, dict(sorted(entry.staleness.items())), reward,
+                    entry.train_s, entry.wait_s,
+                )  # fmt: skip
 
-        trainer.run(steps, on_step)
+            result = trainer.run(steps, on_step, stop)
+        log.info("trainer: %d steps done%s", len(result.steps), ", stopped" if stop.is_set() else "")
+        if stop_run and len(result.steps) == steps:
+            event = process.control.publish(STOP)
+            log.info("trainer: published the run's stop event %s", event)
     return 0
 
 

@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shared.errors import InputError, RedisTooOld, RedisUnavailable, RollstreamError, SettingsError
+from cli.process import stop_on_signals
+from shared.errors import (
+    InputError,
+    RedisTooOld,
+    RedisUnavailable,
+    RollstreamError,
+    SettingsError,
+    WaitTimeout,
+)
+from shared.logs import setup_logging
 from shared.settings import Settings, load_settings
 
 RET_OK = 0
 RET_ERROR = 1  # an operation failed
 RET_INPUT = 2  # bad arguments, settings or input files
 RET_CONNECT = 3  # Redis unreachable or too old
+RET_WAIT = 4  # what the process needs (Redis, engines, a Ray address) did not come in time
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -25,21 +35,24 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.redis_url:
         overrides["redis"] = {"url": args.redis_url}
     settings = load_settings()
-    if not overrides:
-        return settings
-    # Flags win over the environment and the file, field by field.
-    merged = settings.model_dump()
-    for key, value in overrides.items():
-        merged[key] = {**merged[key], **value} if isinstance(value, dict) else value
-    return load_settings(**merged)
+    if overrides:
+        # Flags win over the environment and the file, field by field.
+        merged = settings.model_dump()
+        for key, value in overrides.items():
+            merged[key] = {**merged[key], **value} if isinstance(value, dict) else value
+        settings = load_settings(**merged)
+    level = logging.getLevelName(settings.log.level) - 10 * (args.verbose - args.quiet)
+    setup_logging(min(max(level, logging.DEBUG), logging.CRITICAL), settings.log.format)
+    return settings
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
     from cli.commands import feed, run_feeder
 
     settings = _settings(args)
-    if args.epochs is None and args.keep_ahead is None and not args.shuffle:
-        return feed(settings, args.path, args.task)
+    stop = stop_on_signals()
+    if args.epochs is None and args.keep_ahead is None and not args.shuffle and not args.until_stopped:
+        return feed(settings, args.path, args.task, stop)
     return run_feeder(
         settings,
         args.path,
@@ -48,7 +61,8 @@ def cmd_feed(args: argparse.Namespace) -> int:
         shuffle=args.shuffle,
         seed=args.seed,
         keep_ahead=args.keep_ahead or 1024,
-        stop=_stop_on_sigterm(),
+        stop=stop,
+        until_stopped=args.until_stopped,
     )
 
 
@@ -61,7 +75,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from cli.commands import check
 
-    return check(_settings(args))
+    return check(_settings(args), engines=args.engines)
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    from cli.commands import control
+
+    return control(_settings(args), args.command)
+
+
+def cmd_redis(args: argparse.Namespace) -> int:
+    from cli.commands import redis_server
+
+    return redis_server(_settings(args), args.config, args.dir)
 
 
 def cmd_engines(args: argparse.Namespace) -> int:
@@ -72,14 +98,20 @@ def cmd_engines(args: argparse.Namespace) -> int:
         address=args.address,
         foreground=args.foreground,
         stop_engines=args.stop,
-        stop=_stop_on_sigterm(),
+        stop=stop_on_signals(),
     )
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
     from cli.commands import produce
 
-    return produce(_settings(args), burst=args.burst, local_engines=args.local_engines, address=args.address)
+    return produce(
+        _settings(args),
+        burst=args.burst,
+        local_engines=args.local_engines,
+        address=args.address,
+        stop=stop_on_signals(),
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -90,10 +122,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         steps=args.steps,
         step_time_s=args.step_time,
         consumer=args.consumer,
+        stop=stop_on_signals(),
         hf_model=args.hf_model,
         weights_dir=args.weights_dir,
         lr=args.lr,
+        stop_run=args.stop_run,
     )
+
+
+def cmd_judge(args: argparse.Namespace) -> int:
+    from cli.commands import judge
+
+    return judge(_settings(args), stop=stop_on_signals(), burst=args.burst)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -102,16 +142,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo(prompts=args.prompts, steps=args.steps, step_time_s=args.step_time, as_json=args.json)
 
 
-def _stop_on_sigterm() -> threading.Event:
-    """SIGTERM and SIGINT set the event: a worker finishes its current step and exits."""
-    stop = threading.Event()
+def _at_least(minimum: float, kind: type = int) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` that is >= ``minimum``."""
 
-    def handler(signum: int, frame: object) -> None:
-        stop.set()
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,15 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--run", help="run name (setting run, ROLLSTREAM_RUN)")
     parser.add_argument("--redis-url", help="Redis URL (setting redis.url, ROLLSTREAM_REDIS__URL)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log lines (-vv: debug)")
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="fewer log lines")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("feed", help="add prompts from a JSONL file to a task's stream")
     p.add_argument("path", help="JSONL file: one {prompt | messages, uid?, meta?} per line")
     p.add_argument("--task", required=True, help="task the prompts belong to")
-    p.add_argument("--epochs", type=int, help="feeder mode: iterate the file this many times")
+    p.add_argument("--epochs", type=_at_least(1), help="feeder mode: iterate the file this many times")
     p.add_argument("--shuffle", action="store_true", help="feeder mode: shuffle each epoch")
     p.add_argument("--seed", type=int, default=0, help="feeder mode: shuffle seed")
-    p.add_argument("--keep-ahead", type=int, help="feeder mode: unclaimed prompts to keep in the stream")
+    p.add_argument(
+        "--keep-ahead", type=_at_least(1), help="feeder mode: unclaimed prompts to keep in the stream"
+    )
+    p.add_argument(
+        "--until-stopped",
+        action="store_true",
+        help="feeder mode: once every epoch is fed, stay until SIGTERM or `rollstream stop` "
+        "(for process managers, which end a formation when one process exits)",
+    )
     p.set_defaults(func=cmd_feed)
 
     p = sub.add_parser("status", help="streams, pending entries, consumers and steps of the run")
@@ -136,33 +190,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("check", help="exit 0 when Redis answers, non-zero otherwise")
+    p.add_argument("--engines", action="store_true", help="also probe every engine of the run")
     p.set_defaults(func=cmd_check)
 
+    for action, what in (
+        ("pause", "producers stop claiming and park in-flight work; engines idle"),
+        ("resume", "producers claim again"),
+        ("stop", "every process of the run, on any machine, stops cleanly"),
+    ):
+        p = sub.add_parser(action, help=f"{action} the run: {what}")
+        p.set_defaults(func=cmd_control)
+
+    p = sub.add_parser("redis", help="run redis-server in the foreground for a run on this machine")
+    p.add_argument("--config", default="deploy/redis.conf", help="redis.conf to start from")
+    p.add_argument("--dir", default="var/redis", help="where the append-only file is kept")
+    p.set_defaults(func=cmd_redis)
+
     p = sub.add_parser("engines", help="start the run's engine actors on Ray (named, detached)")
-    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
-    p.add_argument("--foreground", action="store_true", help="keep the engines tied to this process")
+    p.add_argument("--address", help="Ray cluster address (default: setting ray.address)")
+    p.add_argument(
+        "--foreground",
+        action="store_true",
+        help="keep the engines while this process runs (starts a local Ray without an address)",
+    )
     p.add_argument("--stop", action="store_true", help="remove the run's engine actors")
     p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("produce", help="claim prompts, generate groups on the engines, judge, append")
     p.add_argument("--burst", action="store_true", help="exit when there is no work left")
     p.add_argument("--local-engines", action="store_true", help="engines in this process, no Ray")
-    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    p.add_argument(
+        "--address", help="Ray cluster address (default: setting ray.address, else the run's recorded one)"
+    )
     p.set_defaults(func=cmd_produce)
 
+    p = sub.add_parser("judge", help="an rq worker that judges groups (with producer.judge_on_queue)")
+    p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    p.set_defaults(func=cmd_judge)
+
     p = sub.add_parser("train", help="the reference trainer: read batches, train, publish weights")
-    p.add_argument("--steps", type=int, required=True, help="train steps to run")
-    p.add_argument("--step-time", type=float, default=0.5, help="seconds a train step takes")
+    p.add_argument("--steps", type=_at_least(1), required=True, help="train steps to run")
+    p.add_argument("--step-time", type=_at_least(0, float), default=0.5, help="seconds a train step takes")
     p.add_argument("--consumer", default="trainer", help="stable consumer name (restarts re-read its groups)")
     p.add_argument("--hf-model", help="train this Hugging Face model for real (policy gradient, hf extra)")
     p.add_argument("--weights-dir", default="weights", help="where each synced step's weights are saved")
     p.add_argument("--lr", type=float, default=1e-5, help="learning rate of the real update")
+    p.add_argument(
+        "--stop-run", action="store_true", help="when the steps are done, stop every process of the run"
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="a first try in one process on an embedded Redis")
-    p.add_argument("--prompts", type=int, default=512, help="prompts to feed")
-    p.add_argument("--steps", type=int, default=8, help="train steps")
-    p.add_argument("--step-time", type=float, default=0.3, help="seconds a train step takes")
+    p.add_argument("--prompts", type=_at_least(1), default=512, help="prompts to feed")
+    p.add_argument("--steps", type=_at_least(1), default=8, help="train steps")
+    p.add_argument("--step-time", type=_at_least(0, float), default=0.3, help="seconds a train step takes")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=cmd_demo)
     return parser
@@ -179,10 +260,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RedisUnavailable, RedisTooOld) as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_CONNECT
+    except WaitTimeout as exc:
+        print(f"rollstream: {exc}", file=sys.stderr)
+        return RET_WAIT
     except RollstreamError as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_ERROR
 
 
+def entry() -> None:
+    """The console script: main(), then an exit that a late SIGTERM cannot spoil."""
+    code = main()
+    # Python resets its signal handlers to the defaults while it shuts down, so a SIGTERM
+    # then (a process manager stopping everything) would turn a clean exit into death by
+    # signal; handlers set to "ignore" are left alone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

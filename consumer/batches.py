@@ -46,12 +46,14 @@ class TrainBatch:
         return sum(len(b) for b in self.batches.values())
 
     def commit(self) -> list[str]:
-        """Ack + delete the groups once the train step has succeeded; returns ids that
-        another trainer consumer had taken over (and so were not committed here)."""
+        """Ack + delete the groups once the train step has succeeded, then record the step
+        as the run's train_step (the last committed one); returns ids that another
+        trainer consumer had taken over (and so were not committed here)."""
         assert self._buffer is not None
         foreign: list[str] = []
         for batch in self.batches.values():
             foreign += self._buffer.commit(batch)
+        RunControl(self._buffer.client, self._buffer.keys).advance_train_step(self.train_step)
         return foreign
 
 
@@ -74,7 +76,6 @@ class BatchReader:
         groups. Without a timeout it waits until the batch is full; with one it returns
         what it has at the deadline if that is at least ``min_wait_num`` groups, and
         raises BatchTimeout naming the counts otherwise."""
-        self.control.set_train_step(train_step)
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         result = TrainBatch(train_step, {task: Batch(task) for task in self.quota}, _buffer=self.buffer)

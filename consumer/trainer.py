@@ -69,9 +69,13 @@ class ReferenceTrainer:
         stop: threading.Event | None = None,
     ) -> TrainLog:
         log = TrainLog()
-        first = self.reader.control.train_step() + 1  # a restarted trainer goes on
+        # train_step is the last committed step: a trainer stopped (or killed) before its
+        # commit redoes that step number with the groups it had read, never skips it
+        first = self.reader.control.train_step() + 1
         interval = self.settings.rollout.sync_weights_interval
         for step in range(first, first + steps):
+            if stop is not None and stop.is_set():
+                break  # between steps: nothing half-committed
             batch = self._next_batch(step, stop)
             if batch is None:
                 break

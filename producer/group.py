@@ -136,6 +136,9 @@ class GroupRunner:
         try:
             samples = await self.generate(claim)
             generated = time.monotonic()
+        except asyncio.CancelledError:
+            self.buffer.abort(claim, [])  # the producer stops: the claim goes back now
+            raise
         except GroupFailed as exc:
             self.buffer.dead_letter(claim.entry, f"generation failed: {exc}")
             return FAILED
@@ -150,6 +153,12 @@ class GroupRunner:
         except JudgeError as exc:
             self.buffer.dead_letter(claim.entry, f"judge failed: {exc}")
             return FAILED
+        except asyncio.CancelledError:
+            # the producer stops: hand the claim back now (with the generated samples, in
+            # partial mode) instead of leaving it pending until claim_idle_ms
+            keep = samples if self.settings.rollout.on_weight_sync == "partial" else []
+            self.buffer.abort(claim, keep)
+            raise
         group.timings.update(generate_s=generated - started, judge_s=time.monotonic() - generated)
         if claim.source != EVALS and not self.is_valid(group):  # eval results are all kept
             return FILTERED if self.buffer.drop(claim) else FENCED

@@ -18,7 +18,9 @@ objects of ours.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,10 @@ from producer.engines.base import Engine, EngineHealth, Generation, SamplingPara
 from producer.host import EngineHost
 from shared.errors import RollstreamError
 from shared.settings import EngineSettings, Settings
+from shared.waiting import NotYet, wait_until
+
+ANSWER_TIMEOUT_S = 5.0  # an engine that takes longer to report its health is not answering
+log = logging.getLogger(__name__)
 
 
 class PoolError(RollstreamError):
@@ -45,22 +51,58 @@ def actor_name(run: str, index: int) -> str:
     return f"rollstream:{run}:engine:{index}"
 
 
-def init_ray(address: str | None = None, *, local: bool = False) -> None:
-    """Join the Ray cluster at ``address`` (or RAY_ADDRESS, or "auto"); with ``local``
-    start a one-machine Ray when there is none. Once per process."""
+def init_ray(address: str = "", *, local: bool = False) -> str:
+    """Join the Ray cluster at ``address``, or, with ``local`` and no address, start a
+    one-machine cluster owned by this process; returns the cluster's GCS address.
+
+    Never "whatever cluster runs on this machine": RAY_ADDRESS and Ray's record of the
+    last cluster started here are ignored, so a run cannot land on another run's
+    cluster. Token authentication stays as Ray sets it up (on by default): a process
+    joining from elsewhere needs the cluster's token (RAY_AUTH_TOKEN, or the file that
+    RAY_AUTH_TOKEN_PATH names, default ~/.ray/auth_token), as Ray documents.
+    """
     if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address is None and local:
-        ray.init(include_dashboard=False, log_to_driver=False)
-        return
+        return str(ray.get_runtime_context().gcs_address)
+    stray = os.environ.pop("RAY_ADDRESS", None)
+    if stray and stray != address:
+        log.warning(
+            "ignoring RAY_ADDRESS=%s: a run's Ray cluster is the setting ray.address "
+            "(ROLLSTREAM_RAY__ADDRESS) or the one its engines process recorded",
+            stray,
+        )
+    if not address and not local:
+        raise PoolError("no Ray address: set ray.address (ROLLSTREAM_RAY__ADDRESS)")
     try:
-        ray.init(address=address or "auto", log_to_driver=False)
-    except (ConnectionError, RuntimeError) as exc:
+        if address:
+            _ask_for_token_auth()
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError, RayError) as exc:
+        hint = ""
+        if address and os.environ.get("RAY_AUTH_MODE") == "token":
+            hint = (
+                " (Ray's token authentication is on: this process needs the cluster's token in "
+                "RAY_AUTH_TOKEN, or in the file RAY_AUTH_TOKEN_PATH names, default ~/.ray/auth_token)"
+            )
         raise PoolError(
-            f"no Ray cluster at {address or 'auto'}: start one with `ray start --head`, "
-            f"or run with --foreground to start a local Ray ({exc})"
+            f"cannot join the Ray cluster at {address or 'local'}: {_first_line(exc)}{hint}"
         ) from None
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def _ask_for_token_auth() -> None:
+    """Ray turns token authentication on by itself for a cluster it finds or starts, but
+    not for one named by address: ask for it as Ray documents (RAY_AUTH_MODE=token).
+    Whoever runs a cluster without authentication sets RAY_AUTH_MODE=disabled themselves."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:  # what Ray does itself: set the variable and have its cached config read it again
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
+    except ImportError:
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 @ray.remote
@@ -249,19 +291,52 @@ class EnginePool(BasePool):
         return pool
 
     @classmethod
-    def attach(cls, settings: Settings) -> EnginePool:
-        """The run's engine actors that another process started."""
-        handles = []
-        for i in range(settings.engines.count):
-            name = actor_name(settings.run, i)
+    def attach(
+        cls, settings: Settings, timeout_s: float | None = None, stop: threading.Event | None = None
+    ) -> EnginePool | None:
+        """The run's engine actors that another process started. Without ``timeout_s``
+        one look, raising PoolError when one is missing; with it, wait (0: for ever)
+        until every engine is registered and answers, warning every few seconds; None
+        when ``stop`` is set first."""
+        what = f"the {settings.engines.count} engines of run {settings.run!r}"
+
+        def probe() -> EnginePool:
+            handles = []
+            for i in range(settings.engines.count):
+                name = actor_name(settings.run, i)
+                try:
+                    handles.append(ray.get_actor(name, namespace=namespace(settings.run)))
+                except ValueError:
+                    raise NotYet(
+                        f"no engine actor {name} in namespace {namespace(settings.run)}: "
+                        "is `rollstream engines` running for this run?"
+                    ) from None
+            if timeout_s is not None:
+                try:
+                    ray.get([h.health.remote() for h in handles], timeout=ANSWER_TIMEOUT_S)
+                except (RayError, TimeoutError) as exc:
+                    raise NotYet(f"not every engine answers yet: {_first_line(exc)}") from None
+            return cls(settings.run, handles)
+
+        if timeout_s is None:
             try:
-                handles.append(ray.get_actor(name, namespace=namespace(settings.run)))
-            except ValueError:
-                raise PoolError(
-                    f"no engine actor {name} in namespace {namespace(settings.run)}: "
-                    "is `rollstream engines` running for this run?"
-                ) from None
-        return cls(settings.run, handles)
+                return probe()
+            except NotYet as exc:
+                raise PoolError(str(exc)) from None
+        return wait_until(probe, what, timeout_s, stop)
+
+    def probe(self, timeout_s: float = ANSWER_TIMEOUT_S) -> list[EngineHealth | None]:
+        """Each engine's health, None for one that does not answer within ``timeout_s``:
+        for `rollstream check --engines` and the engines process's heartbeat."""
+        calls = [h.health.remote() for h in self.handles]
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        out: list[EngineHealth | None] = []
+        for call in calls:
+            try:
+                out.append(EngineHealth(**loads(ray.get(call))) if call in ready else None)
+            except RayError:
+                out.append(None)
+        return out
 
     @staticmethod
     def stop(settings: Settings) -> int:

@@ -33,10 +33,13 @@ from producer.pool import BasePool
 from producer.tokenizer import make_tokenizer
 from shared.allocation import allocate_batch_sizes, over_sample_budget
 from shared.buffer import Claim, ReplayBuffer, default_consumer_name
-from shared.events import WEIGHT_SYNC, RunControl
+from shared.errors import RollstreamError
+from shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
+from shared.liveness import Liveness
 from shared.settings import Settings
 
 POLL_S = 0.05
+SETTLE_S = 2.0  # at a stop, how long aborted groups get to settle before they are cancelled
 METRICS_CAP = 100_000
 ENGINE_CHECK_EVERY = 5  # heartbeats between checks that every engine is on the model step
 log = logging.getLogger(__name__)
@@ -48,14 +51,36 @@ class ProducerStats:
     weight_syncs: int = 0
     retries: int = 0
     admission_waits: int = 0
+    claims: int = 0
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
+    @property
+    def groups(self) -> int:
+        return sum(self.outcomes.values())
+
+
+class BackgroundTaskFailed(RollstreamError):
+    """A background task of the producer (events, heartbeat) died: the producer stops
+    rather than go on without weight syncs or liveness."""
+
+
+def _raise_if_failed(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            raise BackgroundTaskFailed(f"the producer's {task.get_name()} task failed: {exc!r}") from exc
+
 
 class Producer:
     def __init__(
-        self, settings: Settings, client: redis.Redis, pool: BasePool, name: str | None = None
+        self,
+        settings: Settings,
+        client: redis.Redis,
+        pool: BasePool,
+        name: str | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.settings = settings
         self.name = name or default_consumer_name("producer")
@@ -80,29 +105,46 @@ class Producer:
         self.stats = ProducerStats()
         self.inflight: dict[asyncio.Task[str], Claim] = {}
         self._open = asyncio.Event()  # claiming allowed (cleared during a weight sync)
+        self.paused = False  # the run is paused: claim nothing until it resumes
+        self.run_stopped = False  # the run's stop event ended run()
+        self.liveness = liveness
         self._tail: dict[str, bool] = {t.name: False for t in settings.tasks}
 
     async def run(self, stop: asyncio.Event | None = None, *, burst: bool = False) -> ProducerStats:
-        """Produce until ``stop`` is set, or, with ``burst``, until there is no work."""
+        """Produce until ``stop`` is set or the run is stopped, or, with ``burst``, until
+        there is no work this producer may take."""
         stop = stop or asyncio.Event()
+        # The newest event's id before the state: a weight sync or pause published while
+        # this producer starts is then either in the state it reads or in the events it follows.
+        after = self.control.last_event_id()
         self.model_step = self.control.model_step()  # a late starter joins at the current step
+        self.paused = self.control.paused()
         rollout, p = self.settings.rollout, self.settings.producer
         await self.pool.sync_weights(self.model_step, mode=rollout.on_weight_sync, timeout_s=p.sync_timeout_s)
         self._open.set()
-        background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._follow_events())]
+        log.info(
+            "producer %s joins run %r at model step %d%s",
+            self.name, self.settings.run, self.model_step, " (paused)" if self.paused else "",
+        )  # fmt: skip
+        background = [
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self._follow_events(after, stop), name="events"),
+            asyncio.create_task(self._report(), name="progress"),
+        ]
         try:
             while not stop.is_set():
-                await self._open.wait()
-                for claim in self.admit():
-                    self.inflight[asyncio.create_task(self.runner.run(claim))] = claim
-                await self.abort_leftovers()
-                if burst and not self.inflight and self.no_work_left():
+                _raise_if_failed(background)
+                if not self.paused and self._open.is_set():
+                    for claim in self.admit():
+                        self.inflight[asyncio.create_task(self.runner.run(claim))] = claim
+                    await self.abort_leftovers()
+                if burst and not self.inflight and (self.paused or self.no_work_left() or self.blocked()):
                     break
                 await self._settled(stop)
         finally:
             for task in background:
                 task.cancel()
-            await self._shutdown()
+            await self._shutdown(self.settings.process.stop_timeout_s / 2)
             await self.record_metrics()
         self.stats.retries = self.runner.retries
         return self.stats
@@ -130,6 +172,7 @@ class Producer:
             if not got and self.buffer.unclaimed(task) > 0:
                 self.stats.admission_waits += 1
             claims += got
+        self.stats.claims += len(claims)
         return claims
 
     def should_continue(self, task: str) -> bool:
@@ -161,6 +204,14 @@ class Producer:
                 if ids:
                     await self.pool.abort(ids)
 
+    def blocked(self) -> bool:
+        """No task may take more work now: sync mode has its batches, or async mode is at
+        the admission bound (only a newer model step moves it)."""
+        return all(
+            not self.should_continue(t) or self.buffer.accepted(t) + self.buffer.running(t) >= self.limit(t)
+            for t in self.batch
+        )
+
     def no_work_left(self) -> bool:
         """Nothing to claim, and nothing claimed by anyone: a dead producer's claims are
         work that comes back once they are idle long enough to reclaim."""
@@ -190,14 +241,33 @@ class Producer:
 
     # --- weight sync -------------------------------------------------------------------
 
-    async def _follow_events(self) -> None:
-        after = self.control.last_event_id()
-        while True:
+    async def _follow_events(self, after: str, stop: asyncio.Event) -> None:
+        """Weight syncs, pause / resume and stop, in the order they were published."""
+        while not stop.is_set():
             events = await asyncio.to_thread(self.control.events, after, 1000)
             for event in events:
                 after = event.id
                 if event.type == WEIGHT_SYNC and event.model_step > self.model_step:
                     await self.sync_weights(event.model_step, event.uri or None)
+                elif event.type == PAUSE and not self.paused:
+                    await self.pause()
+                elif event.type == RESUME and self.paused:
+                    self.paused = False
+                    log.info("run resumed: producer %s claims again", self.name)
+                elif event.type == STOP:
+                    self.run_stopped = True
+                    log.info("run stopped (event %s): producer %s stops", event.id, self.name)
+                    stop.set()
+
+    async def pause(self) -> None:
+        """Stop claiming. drain: what runs finishes; abort and partial: it is aborted now,
+        back to the aborted pool (with its tokens, in partial mode), so the engines idle."""
+        self.paused = True
+        mode = self.settings.rollout.on_weight_sync
+        if mode != "drain" and self.runner.inflight:
+            await self.pool.abort(list(self.runner.inflight))
+        log.info("run paused: producer %s claims nothing (%d groups in flight, %s)",
+                 self.name, len(self.inflight), mode)  # fmt: skip
 
     async def sync_weights(self, model_step: int, uri: str | None) -> None:
         """Stop claiming, move the engines to ``model_step`` the configured way, go on."""
@@ -249,6 +319,10 @@ class Producer:
         beats = 0
         while True:
             self.control.heartbeat(self.name, self.model_step, len(self.inflight))
+            if self.liveness is not None:
+                self.liveness.beat(
+                    model_step=self.model_step, inflight=len(self.inflight), paused=self.paused
+                )
             self.buffer.touch(c.entry for c in self.inflight.values())
             beats += 1
             if beats % ENGINE_CHECK_EVERY == 0 and self._open.is_set():
@@ -257,19 +331,42 @@ class Producer:
                 await self.pool.sync_weights(self.model_step, mode=self.settings.rollout.on_weight_sync)
             await asyncio.sleep(self.settings.producer.heartbeat_s)
 
+    async def _report(self) -> None:
+        """A progress line every process.progress_s: claims and groups per second, in
+        flight, model step."""
+        every = self.settings.process.progress_s
+        last, claims, groups = time.monotonic(), self.stats.claims, self.stats.groups
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            dt = max(1e-9, now - last)
+            log.info(
+                "producer %s: %.1f claims/s, %.1f groups/s, %d in flight, model step %d%s",
+                self.name, (self.stats.claims - claims) / dt, (self.stats.groups - groups) / dt,
+                len(self.inflight), self.model_step, ", paused" if self.paused else "",
+            )  # fmt: skip
+            last, claims, groups = now, self.stats.claims, self.stats.groups
+
     async def _shutdown(self, grace_s: float = 10.0) -> None:
-        """Stop: let in-flight groups finish for a while, then abort the rest into the
-        aborted pool. Nothing is lost either way: an unsettled claim stays pending and
+        """Stop without leaving claims pending for claim_idle_ms: in drain and abort mode
+        in-flight groups may finish for ``grace_s``; then what still generates is aborted
+        (partial mode keeps its tokens) and settles into the aborted pool; whatever is
+        left after that (a group waiting on its judge) is cancelled, which hands its
+        claim back too. Nothing is lost either way: an unsettled claim stays pending and
         is reclaimed by another producer."""
-        if self.inflight:
-            _, pending = await asyncio.wait(self.inflight, timeout=grace_s)
-            if pending:
-                await self.pool.abort(list(self.runner.inflight))
-                await asyncio.wait(pending, timeout=grace_s)
-            for task in list(self.inflight):
-                if task.done() and not task.cancelled() and task.exception() is None:
-                    self.stats.count(task.result())
-                else:
-                    task.cancel()
-                self.inflight.pop(task)
-        self.control.forget(self.name)
+        if self.inflight and self.settings.rollout.on_weight_sync != "partial":
+            await asyncio.wait(self.inflight, timeout=grace_s)
+        pending = [t for t in self.inflight if not t.done()]
+        if pending:
+            await self.pool.abort(list(self.runner.inflight))
+            _, still = await asyncio.wait(pending, timeout=min(grace_s, SETTLE_S))
+            for task in still:
+                task.cancel()
+            await asyncio.gather(*still, return_exceptions=True)
+        for task, claim in list(self.inflight.items()):
+            if not task.cancelled() and task.exception() is None:
+                self.stats.count(task.result())
+            elif not task.cancelled():
+                log.error("group %s failed: %r", claim.group_id, task.exception())
+            self.inflight.pop(task)
+        self.control.forget(self.name)  # the liveness key is its owner's to clear

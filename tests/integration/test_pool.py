@@ -12,9 +12,13 @@ import time
 
 import pytest
 import ray
+import redis
 
 from producer.engines.base import FINISH_LENGTH, SamplingParams
 from producer.pool import EnginePool, actor_name, namespace
+from shared.embedded import EmbeddedRedis
+from shared.events import RunControl
+from shared.keys import Keys
 from shared.settings import Settings, load_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
@@ -134,11 +138,14 @@ def test_pause_update_and_health_reach_every_engine(pool: EnginePool) -> None:
     asyncio.run(main())
 
 
-def test_engines_started_by_the_cli_serve_a_producer_in_another_process(run_name: str) -> None:
+def test_engines_started_by_the_cli_serve_a_producer_in_another_process(
+    run_name: str, redis_server: EmbeddedRedis
+) -> None:
     # Given `rollstream engines` run as its own process, which exits once they are up
     address = ray.get_runtime_context().gcs_address
     env = {
         **os.environ,
+        "ROLLSTREAM_REDIS__URL": redis_server.url,
         "ROLLSTREAM_RUN": run_name,
         "ROLLSTREAM_ENGINES__COUNT": "2",
         "ROLLSTREAM_ENGINES__NUM_CPUS": "0",
@@ -149,7 +156,9 @@ def test_engines_started_by_the_cli_serve_a_producer_in_another_process(run_name
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert started.returncode == 0, started.stderr[-2000:]
-    assert f"rollstream:{run_name}:engine:1" in started.stdout
+    assert f"rollstream:{run_name}:engine:1" in started.stderr  # its log
+    # and recorded the run's Ray cluster, where the run's producers find it
+    assert RunControl(redis.Redis.from_url(redis_server.url), Keys(run_name)).ray_address() == address
     # When this process attaches to them by name, Then they generate (they outlived their starter)
     settings = pool_settings(run_name)
     pool = EnginePool.attach(settings)

@@ -1,0 +1,171 @@
+"""What every long-running process of a run does around its own work.
+
+A process manager (honcho, systemd, Kubernetes) starts every process of a run at
+once and stops them with SIGTERM, so each one:
+
+1. logs one start line: role, run, Redis URL (never the password), what matters;
+2. waits for Redis with back-off, a warning every few seconds, up to
+   process.wait_timeout_s;
+3. agrees with the run's published settings, or refuses to start;
+4. keeps a heartbeat key that expires by itself (``rollstream status``);
+5. follows the run's events from the moment before it read any state: a stop
+   event ends it like SIGTERM does, other events go to the process's handler;
+6. on its way out removes its heartbeat and stops following.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from shared.buffer import default_consumer_name
+from shared.connection import wait_for_redis
+from shared.errors import RollstreamError
+from shared.events import STOP, Event, EventFollower, RunControl
+from shared.keys import ROLES, Keys
+from shared.liveness import Heartbeat, Liveness, live_processes
+from shared.runconfig import check_run_settings
+from shared.settings import Settings, redact_url
+
+log = logging.getLogger("rollstream")
+
+
+class ProcessFailed(RollstreamError):
+    """A background part of a process (its event follower) failed: the process stops."""
+
+
+@dataclass(slots=True)
+class Process:
+    settings: Settings
+    role: str
+    name: str
+    stop: threading.Event
+    client: redis.Redis
+    control: RunControl
+    liveness: Liveness
+    errors: list[BaseException] = field(default_factory=list)
+    run_stopped: bool = False  # the run's stop event ended it (not a signal)
+
+    @property
+    def keys(self) -> Keys:
+        return self.control.keys
+
+
+def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
+    """SIGTERM and SIGINT set the event: a process finishes what it is doing and exits.
+    Call it again with the same event after ``ray.init``, which installs handlers of its own."""
+    stop = stop or threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        if not stop.is_set():
+            log.info("%s received: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def wait_until_gone(process: Process, roles: tuple[str, ...]) -> None:
+    """Wait until no other process of ``roles`` keeps a heartbeat, up to stop_timeout_s."""
+    deadline = time.monotonic() + process.settings.process.stop_timeout_s
+    shown = time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            others = [
+                p for p in live_processes(process.client, process.keys)
+                if p.role in roles and p.name != process.name
+            ]  # fmt: skip
+        except redis.RedisError as exc:
+            log.warning("%s: cannot see who is still running (%s); going on", process.role, exc)
+            return
+        if not others:
+            return
+        if time.monotonic() - shown >= 1.0:
+            shown = time.monotonic()
+            log.info(
+                "%s: waiting for %s to stop", process.role, ", ".join(f"{p.role} {p.name}" for p in others)
+            )
+        time.sleep(0.1)
+    log.warning("%s: others still running after %.0f s; going on", process.role,
+                process.settings.process.stop_timeout_s)  # fmt: skip
+
+
+def start_line(role: str, settings: Settings, **extra: Any) -> None:
+    """The one line that says who started where: never a secret in it."""
+    parts = [f"run {settings.run!r}", f"Redis {redact_url(settings.redis.url)}"]
+    parts += [f"{k} {v}" for k, v in extra.items()]
+    log.info("%s starting: %s", role, ", ".join(parts))
+
+
+@contextmanager
+def running(
+    settings: Settings,
+    role: str,
+    stop: threading.Event,
+    *,
+    name: str | None = None,
+    detail: Callable[[], dict[str, Any]] | None = None,
+    on_event: Callable[[Event], None] | None = None,
+    heartbeat: bool = True,
+    follow: bool = True,
+    **start_info: Any,
+) -> Iterator[Process | None]:
+    """The process's life around its work; yields None when ``stop`` is set while it
+    still waits for Redis. A failure of the event follower stops the process and is
+    raised as ProcessFailed on the way out."""
+    name = name or default_consumer_name(role)
+    start_line(role, settings, name=name, **start_info)
+    client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
+    if client is None:
+        yield None
+        return
+    keys = Keys(settings.run)
+    if check_run_settings(client, keys, settings, name):
+        log.info("published the run's shared settings (rollout, tasks)")
+    control = RunControl(client, keys)
+    after = control.last_event_id()  # before the caller reads any state: nothing is missed
+    process = Process(
+        settings, role, name, stop, client, control,
+        Liveness(client, keys, role, name, settings.process.liveness_ttl_s),
+    )  # fmt: skip
+
+    def handle(event: Event) -> None:
+        if event.type == STOP:
+            log.info("run %r stopped (event %s): %s %s stops", settings.run, event.id, role, name)
+            process.run_stopped = True
+            stop.set()
+        elif on_event is not None:
+            on_event(event)
+
+    def failed(exc: BaseException) -> None:
+        process.errors.append(exc)
+        stop.set()
+
+    follower = EventFollower(control, after, handle, failed).start() if follow else None
+    beat = Heartbeat(process.liveness, detail).start() if heartbeat else None
+    try:
+        yield process
+    finally:
+        if follower is not None:
+            follower.stop()
+        if beat is not None:
+            beat.stop()
+        with contextlib.suppress(redis.RedisError):
+            process.liveness.clear()
+    if process.run_stopped:
+        # A process manager ends the whole formation, Redis included, when the first
+        # process exits: leave only once every process of the run has finished its own
+        # clean stop (its heartbeat key is gone), so that none loses Redis half-way.
+        wait_until_gone(process, ROLES)
+    if process.errors:
+        raise ProcessFailed(f"{role} {name} stopped: {process.errors[0]!r}")
