@@ -57,7 +57,7 @@ def wait_idle(client: redis.Redis, stream: str, group: str, idle_ms: int, timeou
 
     def idle() -> bool:
         pending = client.xpending_range(stream, group, "-", "+", 1000)
-        return bool(pending) and all(p["time_since_delivered"] >= idle_ms for p in pending)
+        return bool(pending) and all(int(p["time_since_delivered"]) >= idle_ms for p in pending)
 
     wait_for(idle, timeout)
 
@@ -75,6 +75,15 @@ async def wait_for_async(predicate: Callable[[], Any], timeout: float = 10.0, in
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(interval)
+
+
+def still_running(task: asyncio.Task[Any]) -> bool:
+    """True while ``task`` runs; once it has ended, its exception (or an AssertionError):
+    in a wait on a condition, a crash is reported as the crash, not as a timeout."""
+    if task.done():
+        task.result()
+        raise AssertionError(f"{task.get_name()} ended")
+    return True
 
 
 class _Timer:

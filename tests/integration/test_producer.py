@@ -1,9 +1,13 @@
 """The producer on a real redis-server with simulated engines in this process
-(the Ray pool has its own tests): admission, sync targets, weight-sync modes."""
+(the Ray pool has its own tests): admission, sync targets, weight-sync modes.
+
+Tests that need an event at a given point of a generation run the engines on a
+ManualClock: generation moves only when the test advances it."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,12 +15,14 @@ import numpy as np
 import pytest
 import redis
 
+from producer.engines.sim import SimEngine
 from producer.pool import LocalPool
 from producer.worker import Producer
+from shared.buffer import Batch, ReplayBuffer
 from shared.embedded import EmbeddedRedis
 from shared.events import WEIGHT_SYNC
 from shared.settings import Settings, load_settings
-from tests.helpers import prompts
+from tests.helpers import ManualClock, prompts, still_running, wait_for_async
 
 pytestmark = pytest.mark.integration
 
@@ -40,11 +46,45 @@ def settings_for(url: str, run: str, **overrides: Any) -> Settings:
 
 @pytest.fixture
 def make_producer(redis_server: EmbeddedRedis, run_name: str) -> ProducerFactory:
-    def make(name: str = "p1", **overrides: Any) -> Producer:
+    def make(name: str = "p1", clock: ManualClock | None = None, **overrides: Any) -> Producer:
         settings = settings_for(redis_server.url, run_name, **overrides)
-        return Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings), name)
+        if clock is None:
+            pool = LocalPool.start(settings)
+        else:
+            pool = LocalPool(
+                [SimEngine(settings.engines.sim, clock=clock) for _ in range(settings.engines.count)]
+            )
+        return Producer(settings, redis.Redis.from_url(redis_server.url), pool, name)
 
     return make
+
+
+def hosts(producer: Producer) -> list[Any]:
+    assert isinstance(producer.pool, LocalPool)
+    return producer.pool.hosts
+
+
+def groups_on_engines(producer: Producer) -> int:
+    return sum(host.inflight for host in hosts(producer))
+
+
+def sync_reached_engines(producer: Producer, step: int) -> bool:
+    """Every engine has taken the weight sync: it is on the step, or draining towards it
+    (EngineHost holds new requests while it drains)."""
+    return all(host.model_step == step or not host._open.is_set() for host in hosts(producer))
+
+
+async def finish(
+    run: asyncio.Task[Any], clock: ManualClock, step_s: float = 1.0, timeout: float = 60
+) -> None:
+    """Advance the engines' clock until the producer's run ends: each generation, first or
+    again, finishes at its own simulated time; the wall clock only paces the polling."""
+    deadline = time.monotonic() + timeout
+    while not run.done():
+        assert time.monotonic() < deadline, "the producer's run did not end"
+        clock.advance(step_s)
+        await asyncio.wait([run], timeout=0.01)
+    run.result()
 
 
 def watch_admissions(producer: Producer) -> list[tuple[int, int]]:
@@ -62,6 +102,17 @@ def watch_admissions(producer: Producer) -> list[tuple[int, int]]:
     return seen
 
 
+async def full_batch(trainer: ReplayBuffer, count: int) -> Batch:
+    batch = Batch("math")
+
+    def full() -> bool:
+        batch.items.extend(trainer.read_batch("math", count - len(batch)).items)
+        return len(batch) == count
+
+    await wait_for_async(full, timeout=60, interval=0.02)
+    return batch
+
+
 def test_async_never_admits_past_the_bound_with_a_slow_trainer(make_producer: ProducerFactory) -> None:
     producer = make_producer()
     trainer = make_producer("t").buffer  # a trainer's view of the same run
@@ -71,12 +122,11 @@ def test_async_never_admits_past_the_bound_with_a_slow_trainer(make_producer: Pr
 
     async def slow_trainer(stop: asyncio.Event) -> None:
         for step in range(1, 5):
-            batch = trainer.read_batch("math", 4)
-            while len(batch) < 4:
-                await asyncio.sleep(0.02)
-                batch.items += trainer.read_batch("math", 4 - len(batch)).items
+            batch = await full_batch(trainer, 4)
             staleness.extend(step - g.model_step - 1 for g in batch.groups)
-            await asyncio.sleep(0.3)  # a train step much slower than generation
+            # the train step itself: much slower than generation, so that the producer
+            # runs into its admission bound while it waits for the weight sync
+            await asyncio.sleep(0.3)
             trainer.commit(batch)
             producer.control.publish(WEIGHT_SYNC, step)
         stop.set()
@@ -96,15 +146,8 @@ def test_sync_produces_the_batch_plus_budget_then_stops(make_producer: ProducerF
     producer = make_producer(rollout={"mode": "sync", "batch_size": 8, "over_sample_threshold": 0.25})
     producer.buffer.feed(prompts("math", 40))
     seen = watch_admissions(producer)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(producer.run(stop))
-        await asyncio.sleep(1.5)  # no trainer asks for the next step
-        stop.set()
-        await task
-
-    asyncio.run(main())
+    # no trainer asks for the next step: burst ends the run once the producer may take no more
+    asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
     accepted = producer.buffer.accepted("math")
     assert 8 <= accepted <= 10  # the batch, at most the budget of 2 more
     assert all(admitted <= 10 for admitted, _ in seen)
@@ -115,17 +158,22 @@ def test_sync_produces_the_batch_plus_budget_then_stops(make_producer: ProducerF
     assert waiting + accepted == 40  # nothing lost, nothing produced past the budget
 
 
-def run_with_sync_midway(producer: Producer, delay_s: float = 0.08) -> None:
+def run_with_sync_midway(producer: Producer, clock: ManualClock, groups: int, at_s: float = 0.6) -> None:
+    """Burst run with a weight sync once ``groups`` groups are on the engines and ``at_s``
+    simulated seconds into their generation."""
+
     async def main() -> None:
         task = asyncio.create_task(producer.run(burst=True))
-        await asyncio.sleep(delay_s)
+        await wait_for_async(lambda: still_running(task) and groups_on_engines(producer) == groups)
+        clock.advance(at_s)
         producer.control.publish(WEIGHT_SYNC, 1)
-        await task
+        await wait_for_async(lambda: still_running(task) and sync_reached_engines(producer, 1))
+        await finish(task, clock)
 
     asyncio.run(main())
 
 
-LONG = {
+LONG = {  # 1,200 tokens a sample at 1,000 tokens/s: 1.2 simulated seconds a group
     "engines": {"count": 1, "sim": {"time_compression": 4.0, "median_tokens": 1e6, "speed_tps": 1000}},
     "producer": {"max_tokens": 1200},
 }
@@ -136,9 +184,10 @@ def trained_groups(producer: Producer) -> list[Any]:
 
 
 def test_partial_rollout_continues_on_the_new_weights_in_place(make_producer: ProducerFactory) -> None:
-    producer = make_producer(rollout={"on_weight_sync": "partial"}, **LONG)
+    clock = ManualClock()
+    producer = make_producer(clock=clock, rollout={"on_weight_sync": "partial"}, **LONG)
     producer.buffer.feed(prompts("math", 1))
-    run_with_sync_midway(producer)
+    run_with_sync_midway(producer, clock, groups=1)
     (group,) = trained_groups(producer)
     for sample in group.samples:
         versions = sample.response_versions
@@ -151,15 +200,17 @@ def test_partial_rollout_continues_on_the_new_weights_in_place(make_producer: Pr
 def test_aborted_partial_samples_go_on_from_their_own_tokens(make_producer: ProducerFactory) -> None:
     # an abort that is not a weight sync (a stuck engine, a stopping producer) hands the
     # partial samples on through the aborted pool; the next claim continues them
-    producer = make_producer(rollout={"on_weight_sync": "partial"}, **LONG)
+    clock = ManualClock()
+    producer = make_producer(clock=clock, rollout={"on_weight_sync": "partial"}, **LONG)
     (prompt,) = prompts("math", 1)
     producer.buffer.feed([prompt])
 
     async def main() -> None:
         task = asyncio.create_task(producer.run(burst=True))
-        await asyncio.sleep(0.08)
+        await wait_for_async(lambda: still_running(task) and groups_on_engines(producer) == 1)
+        clock.advance(0.6)
         await producer.pool.abort(list(producer.runner.inflight))
-        await task
+        await finish(task, clock)
 
     asyncio.run(main())
     assert producer.stats.outcomes == {"aborted": 1, "completed": 1}
@@ -181,18 +232,20 @@ async def fresh_generation(producer: Producer, text: str, n: int) -> list[Any]:
 
 
 def test_abort_mode_regenerates_from_the_prompt(make_producer: ProducerFactory) -> None:
-    producer = make_producer(rollout={"on_weight_sync": "abort"}, **LONG)
+    clock = ManualClock()
+    producer = make_producer(clock=clock, rollout={"on_weight_sync": "abort"}, **LONG)
     producer.buffer.feed(prompts("math", 1))
-    run_with_sync_midway(producer)
+    run_with_sync_midway(producer, clock, groups=1)
     (group,) = trained_groups(producer)
     assert all(set(s.response_versions.tolist()) == {1} for s in group.samples)
     assert all(len(s.response_ids) == 1200 for s in group.samples)
 
 
 def test_drain_mode_finishes_on_the_old_weights(make_producer: ProducerFactory) -> None:
-    producer = make_producer(rollout={"on_weight_sync": "drain"}, **LONG)
+    clock = ManualClock()
+    producer = make_producer(clock=clock, rollout={"on_weight_sync": "drain"}, **LONG)
     producer.buffer.feed(prompts("math", 2))
-    run_with_sync_midway(producer)
+    run_with_sync_midway(producer, clock, groups=2)
     groups = trained_groups(producer)
     assert len(groups) == 2
     for group in groups:
@@ -215,7 +268,6 @@ def test_a_hung_judge_is_killed_at_its_timeout_retried_then_dead_lettered(
     make_producer: ProducerFactory, redis_server: EmbeddedRedis
 ) -> None:
     import subprocess
-    import time
 
     from tests.integration.test_judge_rq import ROOT, THIS, worker_command, worker_env
 
@@ -230,22 +282,22 @@ def test_a_hung_judge_is_killed_at_its_timeout_retried_then_dead_lettered(
         command, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        started = time.monotonic()
-        asyncio.run(producer.run(burst=True))
-        took = time.monotonic() - started
+        # a deadline instead of waiting for ever: killed at the timeout, not waited on
+        asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
     finally:
         worker.kill()
         worker.wait()
     assert producer.stats.outcomes == {"failed": 1}
     ((_, dead),) = producer.buffer.client.xrange(producer.buffer.keys.dead)
     assert b"judge failed" in dead[b"reason"] and b"timed out" in dead[b"reason"]
-    assert took < 30  # killed at the timeout, not waited on
 
 
 def test_each_model_step_leaves_a_metrics_record(make_producer: ProducerFactory) -> None:
-    producer = make_producer(producer={"is_valid": "nonzero_reward_std"})
+    clock = ManualClock()
+    producer = make_producer(clock=clock, producer={"is_valid": "nonzero_reward_std"})
     producer.buffer.feed(prompts("math", 12))
-    run_with_sync_midway(producer, delay_s=0.02)
+    # the admission bound of step 0 (4 groups) is on the engines when the sync comes
+    run_with_sync_midway(producer, clock, groups=4, at_s=0.0)
     records = [f for _, f in producer.buffer.client.xrange(producer.buffer.keys.metrics)]
     assert [r[b"model_step"] for r in records] == [b"0", b"1"]  # at the sync, and at the end
     assert sum(int(r[b"groups"]) for r in records) == producer.stats.outcomes.get("completed", 0)
@@ -263,22 +315,17 @@ def test_sync_asks_the_should_continue_plug_in(make_producer: ProducerFactory) -
         producer={"should_continue": "tests.integration.test_producer:never"},
     )
     producer.buffer.feed(prompts("math", 10))
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        asyncio.get_running_loop().call_later(0.5, stop.set)
-        await producer.run(stop)
-
-    asyncio.run(main())
+    # burst: the run ends once the producer has asked the plug-in and may take nothing
+    asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
     assert producer.buffer.accepted("math") == 0
     assert producer.buffer.unclaimed("math") == 10
 
 
 def test_attempts_past_the_group_timeout_are_aborted_and_retried(make_producer: ProducerFactory) -> None:
-    producer = make_producer(
+    producer = make_producer(  # the engines' clock never moves: no group finishes before its timeout
+        clock=ManualClock(),
         buffer={"max_attempts": 2},
         producer={"group_timeout_s": 0.1, "max_tokens": 1200},
-        engines={"count": 2, "sim": {"time_compression": 1.0, "median_tokens": 1e6}},  # 1.2 s a group
     )
     producer.buffer.feed(prompts("math", 1))
     asyncio.run(producer.run(burst=True))
@@ -305,15 +352,16 @@ def test_an_engine_restarted_from_step_zero_is_brought_back_to_the_run_step(
     pool = producer.pool
     assert isinstance(pool, LocalPool)
 
-    async def main() -> int:
+    async def main() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(producer.run(stop))
-        await asyncio.sleep(0.1)
-        assert pool.hosts[0].model_step == 3  # synced when the producer started
+        # synced when the producer started
+        await wait_for_async(lambda: still_running(task) and pool.hosts[0].model_step == 3)
         pool.hosts[0].model_step = 0  # as a restarted actor comes back
-        await asyncio.sleep(0.4)
+        # brought back by the producer's periodic engine check
+        await wait_for_async(lambda: still_running(task) and pool.hosts[0].model_step == 3)
         stop.set()
         await task
-        return pool.hosts[0].model_step
 
-    assert asyncio.run(main()) == 3
+    asyncio.run(main())
+    assert pool.hosts[0].model_step == 3
