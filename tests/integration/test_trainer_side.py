@@ -23,8 +23,9 @@ from shared.buffer import ReplayBuffer
 from shared.embedded import EmbeddedRedis
 from shared.errors import BatchTimeout
 from shared.events import RunControl
+from shared.keys import TRAINER
 from shared.settings import Settings, load_settings
-from tests.helpers import group_for, prompts, wait_for
+from tests.helpers import group_for, prompts, still_running, wait_for, wait_for_async
 
 pytestmark = pytest.mark.integration
 
@@ -191,7 +192,8 @@ def test_producers_and_the_trainer_settle_on_one_model_step(
     async def main() -> list[str]:
         stop = asyncio.Event()
         task = asyncio.create_task(producer.run(stop))
-        await asyncio.sleep(0.2)
+        # live before the sync: the trainer then has a producer to wait for
+        await wait_for_async(lambda: still_running(task) and producer.control.producers(10))
         publish_weights(producer.control, 1)
         live = await asyncio.to_thread(wait_for_producers, producer.control, 1, 10.0)
         stop.set()
@@ -222,15 +224,27 @@ def test_the_reference_trainer_stops_while_it_waits_for_data(
     redis_server: EmbeddedRedis, run_name: str
 ) -> None:
     import threading
-    import time
 
     from consumer.trainer import ReferenceTrainer
 
     settings = settings_for(redis_server, run_name)
-    trainer = ReferenceTrainer(redis.Redis.from_url(redis_server.url), settings, step_time_s=0)
+    client = redis.Redis.from_url(redis_server.url)
+    trainer = ReferenceTrainer(client, settings, step_time_s=0)
     stop = threading.Event()
-    threading.Timer(0.3, stop.set).start()
-    started = time.monotonic()
-    log = trainer.run(5, stop=stop)  # no producer: nothing ever arrives
+    logs: list[Any] = []
+    thread = threading.Thread(target=lambda: logs.append(trainer.run(5, stop=stop)))
+    thread.start()  # no producer: nothing ever arrives
+    groups = ReplayBuffer(client, settings).keys.groups("math")
+
+    def reading() -> bool:
+        try:
+            return any(c["name"] in (b"trainer", "trainer") for c in client.xinfo_consumers(groups, TRAINER))
+        except redis.ResponseError:  # no stream or group yet
+            return False
+
+    wait_for(reading)  # it waits for data
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the trainer did not stop"
+    (log,) = logs
     assert log.steps == []
-    assert time.monotonic() - started < 5
