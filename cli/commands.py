@@ -209,6 +209,8 @@ def engines(
     """Start the run's engine actors and exit (detached: they need a Ray cluster that
     outlives this command), keep them while this process runs (--foreground), or remove
     them (--stop)."""
+    import signal
+
     import ray
 
     from producer.pool import EnginePool, PoolError, actor_name, init_ray, namespace
@@ -260,8 +262,12 @@ def engines(
             killed = EnginePool.stop(settings)
             process.control.clear_ray_address(gcs)
             log.info("engines: removed %d engine actors of run %r", killed, settings.run)
-            ray.shutdown()  # now, not at exit: this process's Ray cluster goes with it
-            stop_on_signals(stop)  # ray.shutdown put the default SIGTERM handler back
+            # now, not at exit: this process's Ray cluster goes with it. Ray's own signal
+            # handlers would turn a SIGTERM meanwhile (the process manager stopping the
+            # rest) into death by signal: we are stopping already.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            ray.shutdown()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 
 
