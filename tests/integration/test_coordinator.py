@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -12,8 +13,10 @@ import redis
 from consumer.coordinator import BatchCoordinator
 from producer.pool import LocalPool
 from producer.worker import Producer
+from shared.buffer import Claim
 from shared.embedded import EmbeddedRedis
 from shared.errors import BatchTimeout, ReplayBufferError
+from shared.keys import PRODUCERS
 from shared.settings import Settings, load_settings
 from tests.helpers import group_for, prompts
 
@@ -31,30 +34,80 @@ def coordinator_settings(server: EmbeddedRedis, run: str) -> Settings:
     )
 
 
-@pytest.fixture
-def producing(redis_server: EmbeddedRedis, run_name: str) -> Iterator[Settings]:
-    """A producer running in a background thread for the test's duration."""
-    settings = coordinator_settings(redis_server, run_name)
-    stop = threading.Event()
+class BackgroundProducer:
+    """A producer in a thread of its own, with the uids it claimed in the order it claimed
+    them. A crash is kept and raised by ``check`` and ``stop``: reported as the crash, not
+    as a batch that never finished."""
 
-    def serve() -> None:
+    def __init__(self, server: EmbeddedRedis, settings: Settings) -> None:
+        self.server = server
+        self.settings = settings
+        self.claimed: list[str] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="producer")
+
+    def start(self) -> BackgroundProducer:
+        self._thread.start()
+        return self
+
+    def check(self) -> bool:
+        if self.error is not None:
+            raise AssertionError(f"the producer crashed: {self.error!r}") from self.error
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "the producer did not stop"
+        self.check()
+
+    def _serve(self) -> None:
         async def main() -> None:
+            client = redis.Redis.from_url(self.server.url)
+            producer = Producer(self.settings, client, LocalPool.start(self.settings), "p1")
+            claim = producer.buffer.claim
+
+            def recorded(*args: Any, **kwargs: Any) -> list[Claim]:
+                claims = claim(*args, **kwargs)
+                self.claimed.extend(c.prompt.uid for c in claims)
+                return claims
+
+            producer.buffer.claim = recorded  # type: ignore[method-assign]
             done = asyncio.Event()
-            producer = Producer(
-                settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings), "p1"
-            )
             task = asyncio.create_task(producer.run(done))
-            await asyncio.to_thread(stop.wait)
+            stopping = asyncio.create_task(asyncio.to_thread(self._stop.wait))
+            await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
             done.set()
-            await task
+            try:
+                await task
+            except BaseException as exc:
+                self.error = exc  # now, not once the test's stop lets asyncio.run return
 
-        asyncio.run(main())
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # the producer could not even start
+            self.error = exc
 
-    thread = threading.Thread(target=serve)
-    thread.start()
-    yield settings
-    stop.set()
-    thread.join(timeout=30)
+
+@pytest.fixture
+def start_producer(redis_server: EmbeddedRedis, run_name: str) -> Iterator[Callable[[], BackgroundProducer]]:
+    """Starts a producer for the rest of the test; it is stopped, and its crash raised, after."""
+    started: list[BackgroundProducer] = []
+
+    def start() -> BackgroundProducer:
+        started.append(BackgroundProducer(redis_server, coordinator_settings(redis_server, run_name)).start())
+        return started[-1]
+
+    yield start
+    for producer in started:
+        producer.stop()
+
+
+@pytest.fixture
+def producing(start_producer: Callable[[], BackgroundProducer]) -> Settings:
+    """A producer running in a background thread for the test's duration."""
+    return start_producer().settings
 
 
 def coordinator(server: EmbeddedRedis, settings: Settings) -> BatchCoordinator:
@@ -95,10 +148,13 @@ def test_concurrent_finalizes_return_one_identical_result(
     assert results[0]["finished_task_count"] == 4
 
 
-def test_eval_batch_goes_ahead_and_reports_metrics(redis_server: EmbeddedRedis, producing: Settings) -> None:
-    coord = coordinator(redis_server, producing)
+def test_eval_batch_goes_ahead_and_reports_metrics(
+    redis_server: EmbeddedRedis, run_name: str, start_producer: Callable[[], BackgroundProducer]
+) -> None:
+    coord = coordinator(redis_server, coordinator_settings(redis_server, run_name))
     coord.submit_batch("train-big", prompts("math", 200))
     coord.submit_batch("gsm", prompts("math", 5, start=500), kind="eval")
+    producer = start_producer()  # both batches wait for it
     result = coord.finalize_eval_batch("gsm", timeout=30)
     assert result["finished_task_count"] == 5
     metrics = result["metrics"]
@@ -109,10 +165,16 @@ def test_eval_batch_goes_ahead_and_reports_metrics(redis_server: EmbeddedRedis, 
         <= metrics["eval/gsm/score/mean@4"]
         <= metrics["eval/gsm/score/best@2"]
     )
-    # served first: most of the big train batch is still waiting
-    assert coord.client.xlen(coord.keys.prompts("math")) > 100
+    # served first: the producer's first claims are the eval prompts, fed after the train batch
+    assert sorted(producer.claimed[:5]) == [f"gsm/u{i}" for i in range(500, 505)]
     aborted = coord.abort_batch("train-big", "not needed")
-    assert aborted["status"] == "aborted" and aborted["removed_prompts"] > 100
+    assert aborted["status"] == "aborted"
+    # nothing of the aborted batch is left for a producer to claim (the stream first: a
+    # claim in between then counts as claimed, never as left)
+    stream = coord.keys.prompts("math")
+    entries = coord.client.xrange(stream)
+    pending = {p["message_id"] for p in coord.client.xpending_range(stream, PRODUCERS, "-", "+", 1000)}
+    assert [i for i, f in entries if f[b"uid"].startswith(b"train-big/") and i not in pending] == []
 
 
 def test_abort_cleans_the_pending_prompts(redis_server: EmbeddedRedis, run_name: str) -> None:
