@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench run clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ $(DEV): $(BASE)
 
 demo: $(BASE)
 	$(VENV)/bin/rollstream demo
+
+# The Procfile's processes under honcho, with .env's settings, until the trainer is done.
+run: $(DEV)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/honcho start -c producer=2
 
 test: $(DEV)
 	$(PY) -m pytest

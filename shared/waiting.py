@@ -32,7 +32,8 @@ class NotYet(Exception):
 def backoff(attempt: int, base_s: float = BASE_S, cap_s: float = CAP_S) -> float:
     """Seconds before try ``attempt`` (0-based): exponential up to ``cap_s``, with full
     jitter so that many processes do not retry in step."""
-    return random.uniform(0.5, 1.0) * min(cap_s, base_s * 2.0**attempt)
+    # the exponent is bounded: a wait for ever counts attempts past where 2.0**n overflows
+    return random.uniform(0.5, 1.0) * min(cap_s, base_s * 2.0 ** min(attempt, 64))
 
 
 def wait_until(
