@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import redis
 
 from shared.embedded import EmbeddedRedis
+from shared.events import RunControl
 from shared.keys import Keys
 from tests.helpers import wait_for
 
@@ -39,7 +41,7 @@ def rollstream(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
 
-def feed(env: dict[str, str], tmp_path: object, count: int) -> None:
+def feed(env: dict[str, str], tmp_path: Path, count: int) -> None:
     path = os.path.join(str(tmp_path), "p.jsonl")
     with open(path, "w") as handle:
         for i in range(count):
@@ -52,20 +54,49 @@ def group_uids(client: redis.Redis, run: str) -> list[str]:
     return [f[b"group_id"].decode() for _, f in client.xrange(Keys(run).groups("math"))]
 
 
+class ProducerProcess:
+    """`rollstream produce` with its output in files: a pipe nobody reads while the test
+    waits would fill up and stall the producer."""
+
+    def __init__(self, env: dict[str, str], folder: Path, name: str) -> None:
+        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                rollstream("produce", "--local-engines"), env=env, stdout=out, stderr=err
+            )
+
+    def running(self) -> bool:
+        """True while it runs; a producer that exited fails the test with its output."""
+        code = self.proc.poll()
+        assert code is None, f"the producer exited with {code}: {self.err.read_text()[-2000:]}"
+        return True
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
+        code = self.proc.wait(timeout=timeout)
+        return code, self.out.read_text(), self.err.read_text()
+
+
 def test_a_producer_killed_mid_batch_loses_no_prompt(
-    redis_server: EmbeddedRedis, run_name: str, tmp_path: object
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
 ) -> None:
     env = producer_env(redis_server.url, run_name)
     client = redis.Redis.from_url(redis_server.url)
     feed(env, tmp_path, 30)
     keys = Keys(run_name)
-    with subprocess.Popen(rollstream("produce", "--local-engines"), env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE) as doomed:  # fmt: skip
+    doomed = ProducerProcess(env, tmp_path, "doomed")
+    try:
         # Given a producer in the middle of its work: some groups done, some claimed
-        wait_for(lambda: client.xlen(keys.groups("math")) >= 3, timeout=60)
-        assert client.xpending(keys.prompts("math"), "producers")["pending"] > 0
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait()
+        wait_for(
+            lambda: (
+                doomed.running()
+                and client.xlen(keys.groups("math")) >= 3
+                and client.xpending(keys.prompts("math"), "producers")["pending"] > 0
+            ),
+            timeout=60,
+        )
+    finally:
+        doomed.proc.send_signal(signal.SIGKILL)
+        doomed.proc.wait()
     # When another producer works in burst mode
     survivor = subprocess.run(
         rollstream("produce", "--local-engines", "--burst"),
@@ -83,26 +114,25 @@ def test_a_producer_killed_mid_batch_loses_no_prompt(
 
 
 def test_two_producers_share_a_run_without_duplicates(
-    redis_server: EmbeddedRedis, run_name: str, tmp_path: object
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
 ) -> None:
     env = producer_env(redis_server.url, run_name)
     client = redis.Redis.from_url(redis_server.url)
-    feed(env, tmp_path, 40)
-    procs = [
-        subprocess.Popen(
-            rollstream("produce", "--local-engines", "--burst"),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outputs]
+    control = RunControl(client, Keys(run_name))
+    procs = [ProducerProcess(env, tmp_path, f"p{i}") for i in range(2)]
+    try:
+        # both are up before there is work, so that both get some
+        wait_for(lambda: all(p.running() for p in procs) and len(control.producers(max_age_s=5)) == 2, 60)
+        feed(env, tmp_path, 40)
+        wait_for(lambda: all(p.running() for p in procs) and len(group_uids(client, run_name)) >= 40, 120)
+    finally:
+        for p in procs:
+            p.proc.send_signal(signal.SIGTERM)
+        results = [p.finish() for p in procs]
+    assert all(code == 0 for code, _, _ in results), [err[-1500:] for _, _, err in results]
     uids = Counter(group_uids(client, run_name))
     assert len(uids) == 40 and max(uids.values()) == 1
-    completed = [int(out.split("completed ")[1].split(",")[0].split(";")[0]) for out, _ in outputs]
+    completed = [int(out.split("completed ")[1].split(",")[0].split(";")[0]) for _, out, _ in results]
     assert sum(completed) == 40
     assert all(c > 0 for c in completed)  # both did work
     assert client.hget(Keys(run_name).progress, "math:completed") == b"40"
