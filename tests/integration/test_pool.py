@@ -8,18 +8,18 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import ray
 import redis
 
 from producer.engines.base import FINISH_LENGTH, SamplingParams
-from producer.pool import EnginePool, actor_name, namespace
+from producer.pool import EnginePool, PoolResult, actor_name, namespace
 from shared.embedded import EmbeddedRedis
 from shared.events import RunControl
 from shared.keys import Keys
 from shared.settings import Settings, load_settings
+from tests.helpers import wait_for_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
 
@@ -101,7 +101,12 @@ def test_killed_engine_fails_its_group_is_restarted_and_a_retry_succeeds(run_nam
         async def main() -> None:
             params = SamplingParams(max_tokens=5000, ignore_eos=True)  # 5 s: killed long before
             task = asyncio.create_task(pool.generate([1], params, 2, "doomed"))
-            await asyncio.sleep(0.5)
+
+            async def generating_on_engine_0() -> bool:
+                health = (await pool.health())[0]
+                return health is not None and health.outstanding == 2
+
+            await wait_for_async(generating_on_engine_0, timeout=60)
             ray.kill(pool.handles[0], no_restart=False)
             failed = await task
             assert failed.failed and failed.engine == 0
@@ -110,14 +115,14 @@ def test_killed_engine_fails_its_group_is_restarted_and_a_retry_succeeds(run_nam
                 [1], SamplingParams(max_tokens=20, ignore_eos=True), 2, "doomed", avoid=[0]
             )
             assert not retry.failed and retry.engine == 1
+
             # Ray restarts the dead actor; it serves again under the same name
-            deadline = time.monotonic() + 60
-            while True:
+            async def served() -> PoolResult | None:
                 again = await pool.generate([1], SamplingParams(max_tokens=20), 1, "after", avoid=[1])
-                if not again.failed or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.5)
-            assert not again.failed and again.engine == 0
+                return None if again.failed else again
+
+            again = await wait_for_async(served, timeout=60, interval=0.5)
+            assert again.engine == 0
 
         asyncio.run(main())
     finally:
