@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import ray
@@ -20,7 +21,7 @@ from shared.buffer import Batch, ReplayBuffer
 from shared.embedded import EmbeddedRedis
 from shared.events import WEIGHT_SYNC, RunControl
 from shared.settings import load_settings
-from tests.helpers import prompts
+from tests.helpers import prompts, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
 
@@ -29,7 +30,7 @@ THRESHOLD = 2  # (max_staleness 1 + 1) x sync every step
 
 
 def test_feed_engines_two_producers_and_a_trainer_run_async_steps(
-    redis_server: EmbeddedRedis, run_name: str
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
 ) -> None:
     env = {
         **os.environ,
@@ -57,23 +58,29 @@ def test_feed_engines_two_producers_and_a_trainer_run_async_steps(
     trainer.feed(prompts("math", FED))
     EnginePool.start(settings)
     address = ray.get_runtime_context().gcs_address
-    producers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "produce", "--address", address],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    # output to files: a pipe nobody reads while the test trains would fill up and stall a producer
+    logs = [(tmp_path / f"p{i}.out", tmp_path / f"p{i}.err") for i in range(2)]
+    producers = []
+    for out, err in logs:
+        with out.open("w") as stdout, err.open("w") as stderr:
+            command = [sys.executable, "-m", "cli.main", "produce", "--address", address]
+            producers.append(subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr))
+
+    def running() -> bool:
+        """True while both producers run; one that exited fails the test with its output,
+        instead of showing up later as a missing batch or a missing heartbeat."""
+        for proc, (_, err) in zip(producers, logs, strict=True):
+            code = proc.poll()
+            assert code is None, f"a producer exited with {code}: {err.read_text()[-2000:]}"
+        return True
+
     trained: list[str] = []
     expired = 0
     try:
         for step in range(1, STEPS + 1):
             batch = Batch("math")
             deadline = time.monotonic() + 60
-            while len(batch) < BATCH and time.monotonic() < deadline:
+            while len(batch) < BATCH and time.monotonic() < deadline and running():
                 for item in trainer.read_batch("math", BATCH - len(batch), block_ms=200).items:
                     # a partial rollout keeps its oldest tokens' step: expiry is the safety net
                     if step - item.group.model_step - 1 >= THRESHOLD:
@@ -85,14 +92,21 @@ def test_feed_engines_two_producers_and_a_trainer_run_async_steps(
             trained += [g.group_id for g in batch.groups]
             assert trainer.commit(batch) == []
             control.publish(WEIGHT_SYNC, step)
-        live = control.producers(max_age_s=5)
-        assert len(live) == 2
+        # both are live: each has a heartbeat younger than 5 s
+        wait_for(lambda: running() and len(control.producers(max_age_s=5)) == 2, timeout=60)
     finally:
         for proc in producers:
             proc.send_signal(signal.SIGTERM)
-        outs = [p.communicate(timeout=60) for p in producers]
+        codes = []
+        for proc in producers:
+            try:
+                codes.append(proc.wait(timeout=60))
+            except subprocess.TimeoutExpired:  # a stop that hangs fails below, with its output
+                proc.kill()
+                codes.append(proc.wait())
         EnginePool.stop(settings)
-    assert all(p.returncode == 0 for p in producers), [o[1][-1500:] for o in outs]
+    outs = [(out.read_text(), err.read_text()) for out, err in logs]
+    assert codes == [0, 0], [err[-1500:] for _, err in outs]
     assert all("stopped:" in out for out, _ in outs)
     # every prompt: trained once, or produced and waiting, or back in a pool — none lost
     assert max(Counter(trained).values()) == 1
