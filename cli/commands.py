@@ -142,7 +142,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
 
 def check(settings: Settings, *, engines: bool = False) -> int:
     """Exit 0 when Redis answers (and, with ``engines``, every engine of the run)."""
-    client = connect(settings.redis, check=False)
+    client = connect(settings.redis, check=False, ride_out=False)
     version = check_server(client, settings.redis.url)
     print(f"Redis {version} answers at {redact_url(settings.redis.url)}")
     if not engines:

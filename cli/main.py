@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis
+
 from cli.process import stop_on_signals
 from shared.errors import (
     InputError,
@@ -263,6 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WaitTimeout as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_WAIT
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # an outage longer than redis.outage_limit_s (the client retried until then)
+        print(f"rollstream: Redis gone for longer than redis.outage_limit_s: {exc}", file=sys.stderr)
+        return RET_CONNECT
     except RollstreamError as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_ERROR

@@ -1,33 +1,112 @@
-"""Redis connections from the settings, with errors that name the URL (never the password)."""
+"""Redis connections from the settings, with errors that name the URL (never the password).
+
+A client rides out a Redis outage (a restart, a failover, a network blip) in place:
+every command that fails to connect or times out is retried with exponential
+back-off and jitter for up to ``redis.outage_limit_s``, with one warning when the
+outage starts and one line with its length when Redis answers again. Retrying is
+safe for what rollstream sends: settles and commits are fenced scripts that change
+nothing the second time, WATCHed transactions are never retried blindly (redis-py
+raises instead), feeds are idempotent by uid, and a weight-sync event sent twice
+is ignored by producers already on its step.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from shared.errors import RedisTooOld, RedisUnavailable
 from shared.settings import RedisSettings, redact_url
 from shared.waiting import NotYet, wait_until
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM and XPENDING ... IDLE
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
-def connect(settings: RedisSettings, *, check: bool = True) -> redis.Redis:
-    """A client for the configured Redis; with ``check``, ping it and check its version.
+class OutageRetry(Retry):
+    """redis-py's retry policy, bounded by time instead of a count, and telling the log
+    when an outage starts and how long it lasted."""
+
+    def __init__(self, shown_url: str, limit_s: float, base_s: float = 0.05, cap_s: float = 1.0) -> None:
+        # the count is only what redis-py reports in its metrics: the limit is limit_s
+        super().__init__(ExponentialWithJitterBackoff(base=base_s, cap=cap_s), retries=1_000_000)
+        self.shown_url = shown_url
+        self.limit_s = limit_s
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        self._backoff.reset()  # type: ignore[no-untyped-call]
+        failures = 0
+        started = 0.0
+        while True:
+            try:
+                result = do()
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                now = time.monotonic()
+                if failures == 1:
+                    started = now
+                    log.warning(
+                        "Redis at %s does not answer (%s): retrying for up to %.0f s",
+                        self.shown_url, error, self.limit_s,
+                    )  # fmt: skip
+                elif now - started >= self.limit_s:
+                    log.error("Redis at %s gone for %.1f s: giving up", self.shown_url, now - started)
+                    raise
+                time.sleep(self._backoff.compute(failures))
+            else:
+                if failures:
+                    log.info(
+                        "Redis at %s answers again after %.1f s", self.shown_url, time.monotonic() - started
+                    )
+                return result
+
+
+def connect(settings: RedisSettings, *, check: bool = True, ride_out: bool = True) -> redis.Redis:
+    """A client for the configured Redis; with ``check``, ping it (once, without
+    retrying) and check its version; with ``ride_out``, one that retries through an
+    outage of up to redis.outage_limit_s.
 
     Replies stay bytes: stream payloads are binary, and decoding every field
     as text would cost more than the rest of a read.
     """
-    client = redis.Redis.from_url(
+    if check:
+        probe = _client(settings, retry=None)
+        try:
+            check_server(probe, settings.url)
+        finally:
+            probe.close()
+    limit = settings.outage_limit_s if ride_out else 0.0
+    return _client(settings, OutageRetry(redact_url(settings.url), limit) if limit > 0 else None)
+
+
+def _client(settings: RedisSettings, retry: Retry | None) -> redis.Redis:
+    return redis.Redis.from_url(
         settings.url,
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=min(settings.socket_timeout_s, 10.0),
         health_check_interval=30,
+        retry=retry if retry is not None else Retry(ExponentialWithJitterBackoff(), 0),
     )
-    if check:
-        check_server(client, settings.url)
-    return client
 
 
 def check_server(client: redis.Redis, url: str) -> str:
@@ -59,15 +138,18 @@ def wait_for_redis(
     """A checked client once Redis answers, waiting with back-off and a warning every
     few seconds (a process may start before Redis does); None when ``stop`` is set
     first. A wrong password or a server that is too old fails at once."""
-    client = connect(settings, check=False)
+    prober = connect(settings, check=False, ride_out=False)  # this loop does the waiting
 
     def probe() -> redis.Redis:
         try:
-            check_server(client, settings.url)
+            check_server(prober, settings.url)
         except RedisUnavailable as exc:
             if not exc.retryable:
                 raise
             raise NotYet(exc.reason) from None
-        return client
+        return connect(settings, check=False)
 
-    return wait_until(probe, f"Redis at {redact_url(settings.url)}", timeout_s, stop)
+    try:
+        return wait_until(probe, f"Redis at {redact_url(settings.url)}", timeout_s, stop)
+    finally:
+        prober.close()

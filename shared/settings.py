@@ -59,6 +59,9 @@ class RedisSettings(BaseModel):
         description="redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
     )
     socket_timeout_s: float = Field(default=30.0, gt=0)
+    outage_limit_s: float = Field(
+        default=120.0, ge=0, description="how long a process retries through a Redis outage; 0: not at all"
+    )
 
     @field_validator("url")
     @classmethod

@@ -55,7 +55,9 @@ def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.Comp
 def fed(redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> dict[str, str]:
     env = env_for(redis_server.url, run_name)
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(f'{{"uid": "q{i}", "prompt": "What is {i} + 1?"}}\n' for i in range(40)))
+    path.write_text(
+        "".join(f'{{"uid": "q{i}", "prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(40))
+    )
     done = run(env, "feed", str(path), "--task", "math")
     assert done.returncode == 0, done.stderr
     return env
