@@ -43,7 +43,7 @@ from consumer.metrics import eval_metrics
 from shared import codec
 from shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer, default_consumer_name
 from shared.errors import BatchTimeout, ReplayBufferError
-from shared.keys import EVALS
+from shared.keys import EVALS, progress_field
 from shared.records import Group, Prompt, Status
 from shared.settings import Settings, validate_name
 
@@ -320,7 +320,10 @@ class BatchCoordinator:
                     if f.get(b"uid", b"").startswith(prefix) and i not in pending
                 ]
                 if ids:
-                    removed += int(self.client.xdel(stream, *ids))
+                    gone = int(self.client.xdel(stream, *ids))
+                    # counted, so that `rollstream status` accounts for them as dropped
+                    self.client.hincrby(self.keys.progress, progress_field(task, "removed"), gone)
+                    removed += gone
         return removed
 
     def _store(self, batch_id: str, result: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from shared.keys import GROUP_OF_KIND, MODEL_STEP, PAUSED, POOLS, TRAIN_STEP, Keys
+from shared.keys import EVALS, GROUP_OF_KIND, MODEL_STEP, PAUSED, POOLS, TRAIN_STEP, Keys
 from shared.liveness import ProcessBeat, live_processes
 from shared.streams import text
 
@@ -28,6 +28,10 @@ class StreamStatus:
     oldest_pending_idle_ms: int | None
 
 
+# Counters of prompts that left the pipeline on purpose without a result
+DROPPED = ("expired_dropped", "aborted_dropped", "removed")
+
+
 @dataclass(slots=True)
 class TaskAccount:
     """Where the prompts fed to a task are. ``lost`` is what none of the others holds:
@@ -35,10 +39,11 @@ class TaskAccount:
 
     fed: int
     trained: int  # committed by a trainer
+    evaluated: int  # eval prompts whose results went to their eval batch
     waiting: int  # produced, in the groups stream, not yet committed
-    in_pools: int  # prompts, aborted and expired streams: unclaimed or being produced
+    in_pools: int  # evals, prompts, aborted and expired streams: unclaimed or being produced
     filtered: int
-    dropped: int  # expired with tail_batch_trigger_size -1
+    dropped: int  # expired with tail_batch_trigger_size -1, aborted or removed with their batch
     dead: int
     lost: int
 
@@ -123,17 +128,19 @@ def _accounts(status: RunStatus) -> dict[str, TaskAccount]:
     out = {}
     for task in tasks:
         count = {c: status.progress.get(f"{task}:{c}", 0) for c in
-                 ("fed", "consumed", "filtered", "expired_dropped", "dead")}  # fmt: skip
+                 ("fed", "consumed", "eval_completed", "filtered", "dead")}  # fmt: skip
+        dropped = sum(status.progress.get(f"{task}:{c}", 0) for c in DROPPED)
         waiting = lengths.get(("groups", task), 0)
-        in_pools = sum(lengths.get((kind, task), 0) for kind in POOLS)
-        held = count["consumed"] + waiting + in_pools + count["filtered"] + count["expired_dropped"]
+        in_pools = sum(lengths.get((kind, task), 0) for kind in (EVALS, *POOLS))
+        held = count["consumed"] + count["eval_completed"] + waiting + in_pools + count["filtered"] + dropped
         out[task] = TaskAccount(
             fed=count["fed"],
             trained=count["consumed"],
+            evaluated=count["eval_completed"],
             waiting=waiting,
             in_pools=in_pools,
             filtered=count["filtered"],
-            dropped=count["expired_dropped"],
+            dropped=dropped,
             dead=count["dead"],
             lost=count["fed"] - held - count["dead"],
         )

@@ -121,7 +121,7 @@ def test_feeder_process_stops_on_sigterm_and_resumes_where_it_stopped(
     with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as feeder:
         wait_for(lambda: client.xlen(keys.prompts("default")) == 8, timeout=30)
         feeder.send_signal(signal.SIGTERM)
-        out, err = feeder.communicate(timeout=30)
+        _, err = feeder.communicate(timeout=30)
     assert feeder.returncode == 0, err
     assert "stopped after 8 prompts" in err  # its log
     # consume what was fed, then a new feeder goes on from the stored cursor

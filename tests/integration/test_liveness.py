@@ -404,8 +404,12 @@ def test_accounts_from_counters_and_streams_set_by_hand(real_client: redis.Redis
 
     accounts = run_status(real_client, keys).accounts
     assert accounts == {
-        "code": TaskAccount(fed=2, trained=0, waiting=0, in_pools=2, filtered=0, dropped=0, dead=0, lost=0),
-        "math": TaskAccount(fed=10, trained=3, waiting=1, in_pools=3, filtered=1, dropped=1, dead=1, lost=0),
+        "code": TaskAccount(
+            fed=2, trained=0, evaluated=0, waiting=0, in_pools=2, filtered=0, dropped=0, dead=0, lost=0
+        ),
+        "math": TaskAccount(
+            fed=10, trained=3, evaluated=0, waiting=1, in_pools=3, filtered=1, dropped=1, dead=1, lost=0
+        ),
     }
 
     real_client.xdel(keys.prompts("math"), *prompt_ids)  # a prompt vanishes
@@ -434,7 +438,9 @@ def test_accounts_follow_the_buffer_and_count_a_vanished_prompt_as_lost(
 
     status = run_status(real_client, keys)
     math = status.accounts["math"]
-    assert math == TaskAccount(fed=7, trained=1, waiting=1, in_pools=4, filtered=1, dropped=0, dead=0, lost=0)
+    assert math == TaskAccount(
+        fed=7, trained=1, evaluated=0, waiting=1, in_pools=4, filtered=1, dropped=0, dead=0, lost=0
+    )
     prompts_stream = next(s for s in status.streams if s.key == keys.prompts("math"))
     assert (prompts_stream.length, prompts_stream.pending, prompts_stream.lag) == (3, 1, 2)
 
@@ -446,12 +452,6 @@ def test_accounts_follow_the_buffer_and_count_a_vanished_prompt_as_lost(
     assert math.fed == account_sum(math)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="shared/status.py _accounts: ReplayBuffer.feed(pool='evals') counts eval prompts in "
-    "{task}:fed, but neither the evals stream nor eval_completed is counted, so they show as lost",
-)
 def test_eval_prompts_are_not_counted_as_lost(
     real_buffer: BufferFactory, real_client: redis.Redis, run_name: str
 ) -> None:

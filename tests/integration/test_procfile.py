@@ -134,9 +134,13 @@ def test_processes_started_in_reverse_order_wait_for_each_other(
             with path.open("wb") as out:
                 procs.append(
                     subprocess.Popen(
-                        ["/bin/sh", "-c", commands[role]], env=env, cwd=ROOT, stdout=out,
-                        stderr=subprocess.STDOUT, start_new_session=True,
-                    )  # fmt: skip
+                        ["/bin/sh", "-c", commands[role]],
+                        env=env,
+                        cwd=ROOT,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
                 )
             if role != "redis":  # each one is up (and waiting for Redis) before the next starts
                 wait_for(lambda p=path: b"starting:" in p.read_bytes(), timeout=60)
