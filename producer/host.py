@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 
-from producer.engines.base import Engine, EngineHealth, Generation, SamplingParams
+from producer.engines.base import Engine, EngineError, EngineHealth, Generation, SamplingParams
+
+
+class StaleWeights(EngineError):
+    """The engine holds older weights than the request needs: one that Ray restarted
+    comes back at step 0 and must be brought to the run's step before it serves."""
 
 
 class EngineHost:
@@ -24,9 +29,11 @@ class EngineHost:
         self._sync = asyncio.Lock()
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, n: int, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, n: int, request_id: str, min_step: int = 0
     ) -> list[Generation]:
         await self._open.wait()
+        if self.model_step < min_step:
+            raise StaleWeights(f"holds model step {self.model_step}, the request needs {min_step}")
         self.inflight += 1
         self._idle.clear()
         try:

@@ -30,7 +30,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from producer.engines import make_engine
 from producer.engines.base import Engine, EngineHealth, Generation, SamplingParams, dumps, loads
-from producer.host import EngineHost
+from producer.host import EngineHost, StaleWeights
 from shared.errors import RollstreamError
 from shared.settings import EngineSettings, Settings
 from shared.waiting import NotYet, wait_until
@@ -117,7 +117,9 @@ class EngineActor:
     async def generate(self, request: bytes) -> bytes:
         r = loads(request)
         params = SamplingParams.from_dict(r["params"])
-        generations = await self.host.generate(r["prompt_ids"], params, r["n"], r["request_id"])
+        generations = await self.host.generate(
+            r["prompt_ids"], params, r["n"], r["request_id"], int(r.get("min_step", 0))
+        )
         return dumps([g.to_dict() for g in generations])
 
     async def sync_weights(self, model_step: int, path: str | None, mode: str) -> int:
@@ -158,6 +160,9 @@ class BasePool:
 
     def __init__(self, size: int) -> None:
         self.outstanding = [0] * size
+        # the weights every engine must hold before it serves: (model step, path, mode) of
+        # the last sync_weights; an engine behind it (restarted by Ray) is synced first
+        self.target: tuple[int, str | None, str] = (0, None, "abort")
 
     def pick(self, avoid: Iterable[int] = ()) -> int:
         """The engine with the fewest requests outstanding from this pool, not in ``avoid``
@@ -181,7 +186,14 @@ class BasePool:
         index = self.pick(avoid) if engine is None else engine
         self.outstanding[index] += 1
         try:
-            generations = await self._generate(index, prompt_ids, params, n, request_id)
+            try:
+                generations = await self._generate(index, prompt_ids, params, n, request_id)
+            except StaleWeights:
+                # a restarted engine: bring it to the run's weights, then ask once more
+                step, path, mode = self.target
+                if await self._sync_one(index, step, path, mode) < step:
+                    raise
+                generations = await self._generate(index, prompt_ids, params, n, request_id)
         except Exception as exc:
             return PoolResult(index, error=self._describe(index, exc))
         finally:
@@ -211,6 +223,8 @@ class BasePool:
         never confirmed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        if model_step >= self.target[0]:
+            self.target = (model_step, path, mode)
         pending = list(range(len(self.outstanding)))
         while True:
             calls = {i: asyncio.ensure_future(self._sync_one(i, model_step, path, mode)) for i in pending}
@@ -355,7 +369,13 @@ class EnginePool(BasePool):
         self, index: int, prompt_ids: list[int], params: SamplingParams, n: int, request_id: str
     ) -> list[Generation]:
         request = dumps(
-            {"prompt_ids": prompt_ids, "params": params.to_dict(), "n": n, "request_id": request_id}
+            {
+                "prompt_ids": prompt_ids,
+                "params": params.to_dict(),
+                "n": n,
+                "request_id": request_id,
+                "min_step": self.target[0],
+            }
         )
         reply = await self.handles[index].generate.remote(request)
         return [Generation.from_dict(g) for g in loads(reply)]
@@ -393,7 +413,7 @@ class LocalPool(BasePool):
     async def _generate(
         self, index: int, prompt_ids: list[int], params: SamplingParams, n: int, request_id: str
     ) -> list[Generation]:
-        return await self.hosts[index].generate(prompt_ids, params, n, request_id)
+        return await self.hosts[index].generate(prompt_ids, params, n, request_id, self.target[0])
 
     async def _abort(self, index: int, request_ids: list[str] | None) -> int:
         return await self.hosts[index].abort(request_ids)
