@@ -20,7 +20,7 @@ from shared.buffer import ReplayBuffer, default_consumer_name
 from shared.connection import check_server, connect, wait_for_redis
 from shared.errors import InputError, SettingsError
 from shared.events import STOP, RunControl
-from shared.keys import Keys
+from shared.keys import TRAIN_STEP, Keys
 from shared.liveness import Heartbeat
 from shared.logs import Ticker, on_terminal
 from shared.runconfig import check_run_settings
@@ -172,6 +172,32 @@ def control(settings: Settings, action: str) -> int:
     client = connect(settings.redis)
     event_id = RunControl(client, Keys(settings.run)).publish(action)
     print(f"run {settings.run!r}: {action} published (event {event_id})")
+    return 0
+
+
+def steps(settings: Settings, *, train_step: int | None, yes: bool) -> int:
+    """Show the run's step counters and whether they leave it stuck; with ``train_step``
+    (and ``yes``) set the last committed train step, for an operator's repair."""
+    client = connect(settings.redis)
+    control = RunControl(client, Keys(settings.run))
+    model, train = control.model_step(), control.train_step()
+    threshold = settings.rollout.stale_threshold
+    # what a group made now (on model_step) would be at the trainer's next step
+    staleness = train + 1 - model - 1
+    print(f"run {settings.run!r}: model_step {model}, train_step {train} (last committed)")
+    print(f"a group made now is {staleness} steps stale at train step {train + 1}; it expires at {threshold}")
+    if staleness >= threshold:
+        print(
+            f"STUCK: every group the producers make expires. Repair with "
+            f"`rollstream steps --train-step {model} --yes` (the trainer then goes on at step {model + 1})"
+        )
+    if train_step is None:
+        return 0 if staleness < threshold else 1
+    if not yes:
+        print(f"would set train_step {train} -> {train_step}: add --yes to do it (stop the trainer first)")
+        return 1
+    client.hset(Keys(settings.run).state, TRAIN_STEP, train_step)
+    print(f"train_step set to {train_step}: a trainer started now goes on at step {train_step + 1}")
     return 0
 
 

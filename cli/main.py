@@ -86,6 +86,12 @@ def cmd_control(args: argparse.Namespace) -> int:
     return control(_settings(args), args.command)
 
 
+def cmd_steps(args: argparse.Namespace) -> int:
+    from cli.commands import steps
+
+    return steps(_settings(args), train_step=args.train_step, yes=args.yes)
+
+
 def cmd_redis(args: argparse.Namespace) -> int:
     from cli.commands import redis_server
 
@@ -202,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(action, help=f"{action} the run: {what}")
         p.set_defaults(func=cmd_control)
+
+    p = sub.add_parser("steps", help="show the run's step counters (exit 1 when they leave it stuck)")
+    p.add_argument("--train-step", type=_at_least(0), help="set the last committed train step (a repair)")
+    p.add_argument("--yes", action="store_true", help="confirm --train-step")
+    p.set_defaults(func=cmd_steps)
 
     p = sub.add_parser("redis", help="run redis-server in the foreground for a run on this machine")
     p.add_argument("--config", default="deploy/redis.conf", help="redis.conf to start from")

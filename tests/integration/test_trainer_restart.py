@@ -89,3 +89,25 @@ def test_sigterm_while_waiting_for_a_batch_exits_0_and_commits_nothing(
     assert "0 steps done, stopped" in err
     assert RunControl(client, keys).train_step() == 0
     assert list(client.scan_iter(match=keys.alive_pattern)) == []
+
+
+def test_steps_shows_a_stuck_run_and_repairs_it(redis_server: EmbeddedRedis, run_name: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    env.update(ROLLSTREAM_REDIS__URL=redis_server.url, ROLLSTREAM_RUN=run_name)
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    # Given the state an old trainer left: step numbers skipped past the staleness bound
+    client.hset(keys.state, mapping={"model_step": 3, "train_step": 6})
+
+    def steps(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cli.main", "steps", *args], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    shown = steps()
+    assert shown.returncode == 1 and "STUCK" in shown.stdout and "--train-step 3 --yes" in shown.stdout
+    refused = steps("--train-step", "3")  # not without --yes
+    assert refused.returncode == 1 and RunControl(client, keys).train_step() == 6
+    repaired = steps("--train-step", "3", "--yes")
+    assert repaired.returncode == 0, repaired.stderr
+    assert RunControl(client, keys).train_step() == 3
+    assert steps().returncode == 0
