@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: demo test lint bench run clean
+.PHONY: demo test lint bench run chaos clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,13 +27,19 @@ demo: $(BASE)
 run: $(DEV)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/honcho start -c producer=2
 
+# Faults at random under a restarting supervisor, after a fault-free run to compare with
+# (bench/results/chaos*/report.json and timeline.png).
+chaos: $(DEV)
+	$(PY) -m chaos.run --no-faults --out bench/results/chaos-baseline
+	$(PY) -m chaos.run --out bench/results/chaos
+
 test: $(DEV)
 	$(PY) -m pytest
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy shared producer consumer cli bench
+	$(VENV)/bin/mypy shared producer consumer cli bench chaos
 
 bench: $(DEV)
 	$(PY) bench/run_all.py

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -416,6 +417,7 @@ def train(
     weights_dir: str = "weights",
     lr: float = 1e-5,
     stop_run: bool = False,
+    record: str | None = None,
 ) -> int:
     """The reference trainer for ``steps`` steps, a log line per step (and a tqdm bar on
     a terminal); with ``hf_model`` a real policy-gradient update whose weights the hf
@@ -437,6 +439,8 @@ def train(
             return 0
         trainer = ReferenceTrainer(process.client, settings, step_time_s=step_time_s, consumer=consumer,
                                    policy=policy)  # fmt: skip
+        if record:
+            trainer.on_commit = _recorder(record)
         with tqdm(total=steps, unit="step", desc="train", disable=not on_terminal()) as bar:
 
             def on_step(entry: StepLog) -> None:
@@ -456,6 +460,24 @@ def train(
             event = process.control.publish(STOP)
             log.info("trainer: published the run's stop event %s", event)
     return 0
+
+
+def _recorder(path: str) -> Any:
+    """Append what each step trains, before its commit, and the commit after it, as JSON
+    lines: an account of training kept outside Redis (the chaos suite checks against it)."""
+    handle = open(path, "ab")  # noqa: SIM115 - open for the life of the process
+
+    def record(step: int, batch: Any) -> None:
+        if batch is None:
+            entry: dict[str, Any] = {"event": "commit", "step": step, "ts": time.time()}
+        else:
+            groups = [[g.group_id, int(g.model_step)] for g in batch.groups]
+            entry = {"event": "read", "step": step, "ts": time.time(), "groups": groups}
+        handle.write(orjson.dumps(entry) + b"\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+    return record
 
 
 async def show_progress(producer: Any, every_s: float = 0.5) -> None:

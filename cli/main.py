@@ -135,6 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         weights_dir=args.weights_dir,
         lr=args.lr,
         stop_run=args.stop_run,
+        record=args.record,
     )
 
 
@@ -251,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stop-run", action="store_true", help="when the steps are done, stop every process of the run"
     )
+    p.add_argument("--record", help="append each step's groups (before its commit) and commits to this file")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="a first try in one process on an embedded Redis")

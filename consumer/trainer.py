@@ -61,6 +61,9 @@ class ReferenceTrainer:
         self.reader = BatchReader(client, settings, consumer)
         self.step_time_s = step_time_s
         self.policy = policy  # a real update of an hf model, else a step of step_time_s
+        # called with (step, batch) after the optimizer step and before the commit, and
+        # with (step, None) once the commit is done: an independent record of training
+        self.on_commit: Callable[[int, TrainBatch | None], None] | None = None
 
     def run(
         self,
@@ -80,7 +83,11 @@ class ReferenceTrainer:
             if batch is None:
                 break
             train_s = self.train(batch)
+            if self.on_commit is not None:
+                self.on_commit(step, batch)
             batch.commit()
+            if self.on_commit is not None:
+                self.on_commit(step, None)
             if step % interval == 0:
                 uri = self.policy.save(step) if self.policy is not None else None
                 publish_weights(self.reader.control, step, uri)

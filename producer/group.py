@@ -235,7 +235,7 @@ class GroupRunner:
             call = self.pool.generate(prompt_ids, params, n, request_id, engine=engine)
             timeout = self.timeout_s()
             try:
-                async with asyncio.timeout(timeout):  # not wait_for: see SimEngine._run
+                async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a cancellation
                     result = await call
             except TimeoutError:
                 await self.pool.abort([request_id])

@@ -236,7 +236,7 @@ class Producer:
                     self.stats.count(task.result())
         else:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_S):  # not wait_for: see SimEngine._run
+                async with asyncio.timeout(POLL_S):  # not wait_for: on 3.11 it can swallow a cancellation
                     await stop.wait()
 
     # --- weight sync -------------------------------------------------------------------

@@ -1,0 +1,487 @@
+"""The chaos suite: a fed run as processes under a small supervisor that restarts
+whatever exits (as systemd's Restart=always would), with faults injected at random,
+and an account of every prompt taken from the trainer's own record.
+
+    python -m chaos.run            # the full suite (make chaos): every fault, a few minutes
+    python -m chaos.run --smoke    # a short mixed-fault run (CI)
+
+Processes: redis-server (deploy/redis.conf, append-only file, appendfsync always: see
+"Durability" in the README), the engines process (2 simulated engines in Ray actors),
+the feeder, 2 producers, the rq judge worker, and the reference trainer with
+``--record``, which appends each step's groups before its commit and the commit after
+it. Faults: kill -9 of a producer, the trainer, the feeder, the judge worker, an engine
+actor; SIGSTOP of a producer past claim_idle_ms, then SIGCONT; kill -9 of redis-server,
+restarted from its append-only file.
+
+Every fed prompt ends up in exactly one row of the table: trained once, trained again
+after a step that was never committed, trained twice with both steps committed (a
+failure), dead-lettered (with the reason), still pending (and where), or lost (a
+failure). Staleness violations come from the versions the trainer decoded, not from
+tags in Redis. Writes report.json and timeline.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from shared.embedded import find_redis_server, free_port
+from shared.events import STOP, RunControl
+from shared.keys import Keys
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = "math"
+BATCH = 8
+MAX_STALENESS = 1
+THRESHOLD = MAX_STALENESS + 1  # sync_weights_interval 1
+CLAIM_IDLE_MS = 3000
+FAULTS = (
+    "kill_producer", "kill_trainer", "kill_feeder", "kill_judge", "kill_engine_actor",
+    "stop_producer", "kill_redis",
+)  # fmt: skip
+
+
+@dataclass
+class Child:
+    """One supervised process: restarted 0.5 s after it exits, until the run ends."""
+
+    name: str
+    argv: Callable[[], list[str]]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    exited_at: float | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv(), env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        self.exited_at = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Chaos:
+    out: Path
+    prompts: int
+    steps: int
+    seconds_between_faults: float
+    faults: tuple[str, ...]
+    seed: int
+    port: int = field(default_factory=free_port)
+    timeline: list[tuple[float, str, str]] = field(default_factory=list)
+    samples: list[dict[str, float]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.run = f"chaos{self.seed}"
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.keys = Keys(self.run)
+        self.record = self.out / "trainer.record.jsonl"
+        self.rng = random.Random(self.seed)
+        self.env = self._env()
+        self.children: dict[str, Child] = {}
+        self.lock = threading.Lock()
+        self._order: list[str] = []
+
+    # --- set-up ----------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLSTREAM_", "RAY_ADDRESS"))}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env.update(
+            ROLLSTREAM_RUN=self.run,
+            ROLLSTREAM_REDIS__URL=self.url,
+            ROLLSTREAM_TASKS=f'[{{"name": "{TASK}", "n": 4}}]',
+            ROLLSTREAM_ROLLOUT__BATCH_SIZE=str(BATCH),
+            ROLLSTREAM_ROLLOUT__MAX_STALENESS=str(MAX_STALENESS),
+            ROLLSTREAM_ENGINES__COUNT="2",
+            ROLLSTREAM_ENGINES__NUM_CPUS="0",
+            ROLLSTREAM_ENGINES__MAX_RESTARTS="-1",
+            ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION="10",
+            ROLLSTREAM_ENGINES__SIM__MEDIAN_TOKENS="200",
+            ROLLSTREAM_ENGINES__SIM__MAX_CONCURRENCY="16",
+            ROLLSTREAM_BUFFER__CLAIM_IDLE_MS=str(CLAIM_IDLE_MS),
+            ROLLSTREAM_PRODUCER__IS_VALID="keep_all",
+            ROLLSTREAM_PRODUCER__JUDGE_ON_QUEUE="true",
+            ROLLSTREAM_PRODUCER__JUDGE_TIMEOUT_S="5",
+            ROLLSTREAM_PRODUCER__HEARTBEAT_S="0.5",
+            ROLLSTREAM_PRODUCER__MAX_INFLIGHT="16",
+            ROLLSTREAM_PROCESS__STOP_TIMEOUT_S="5",
+            ROLLSTREAM_PROCESS__WAIT_TIMEOUT_S="300",
+        )
+        return env
+
+    def prompt_file(self) -> Path:
+        path = self.out / "prompts.jsonl"
+        rows = (
+            orjson.dumps({"uid": f"q{i}", "prompt": f"What is {i} + 1?", "answer": str(i + 1)})
+            for i in range(self.prompts)
+        )
+        path.write_bytes(b"\n".join(rows) + b"\n")
+        return path
+
+    def children_spec(self) -> list[Child]:
+        rs = [sys.executable, "-m", "cli.main"]
+        prompts = str(self.prompt_file())
+        redis_dir = self.out / "redis"
+        redis_dir.mkdir(exist_ok=True)
+        redis_argv = [
+            find_redis_server(), str(ROOT / "deploy" / "redis.conf"), "--port", str(self.port),
+            "--dir", str(redis_dir), "--appendfsync", "always",
+        ]  # fmt: skip
+        specs: list[tuple[str, Callable[[], list[str]]]] = [
+            ("redis", lambda: redis_argv),
+            ("engines", lambda: [*rs, "engines", "--foreground"]),
+            (
+                "feeder",
+                lambda: [
+                    *rs,
+                    "feed",
+                    prompts,
+                    "--task",
+                    TASK,
+                    "--epochs",
+                    "1",
+                    "--keep-ahead",
+                    "48",
+                    "--until-stopped",
+                ],
+            ),
+            ("producer-0", lambda: [*rs, "produce"]),
+            ("producer-1", lambda: [*rs, "produce"]),
+            ("judge", lambda: [*rs, "judge"]),
+            ("trainer", self._trainer_argv),
+        ]
+        return [Child(name, argv, self.out / f"{name}.log") for name, argv in specs]
+
+    def _trainer_argv(self) -> list[str]:
+        left = max(1, self.steps - self._train_step())
+        return [sys.executable, "-m", "cli.main", "train", "--steps", str(left), "--step-time", "0.2",
+                "--record", str(self.record)]  # fmt: skip
+
+    # --- running ---------------------------------------------------------------------
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+
+    def _train_step(self) -> int:
+        try:
+            return RunControl(self.client(), self.keys).train_step()
+        except redis.RedisError:
+            return 0
+
+    def note(self, kind: str, detail: str = "") -> None:
+        self.timeline.append((time.monotonic() - self.started, kind, detail))
+        print(f"{time.monotonic() - self.started:7.1f}s  {kind:18} {detail}", flush=True)
+
+    def supervise(self, deadline_s: float) -> bool:
+        """Run until the trainer has committed every step; True when it did in time."""
+        for child in self.children_spec():
+            self.children[child.name] = child
+            child.start(self.env)
+        next_fault = time.monotonic() + 10.0  # let the run get going first
+        next_sample = time.monotonic()
+        while time.monotonic() - self.started < deadline_s:
+            now = time.monotonic()
+            with self.lock:
+                for child in self.children.values():
+                    if child.alive or child.name == "redis":
+                        continue
+                    if child.exited_at is None:
+                        child.exited_at = now
+                    elif now - child.exited_at >= 0.5:  # RestartSec
+                        child.restarts += 1
+                        child.start(self.env)
+                        self.note("restart", child.name)
+            if now >= next_sample:
+                self._sample()
+                next_sample = now + 1.0
+            if self._train_step() >= self.steps:
+                self.note("done", f"train step {self.steps}")
+                return True
+            if now >= next_fault and self.faults:
+                self.inject(self._next_fault())
+                next_fault = now + self.seconds_between_faults * self.rng.uniform(0.5, 1.5)
+            time.sleep(0.2)
+        return False
+
+    def _next_fault(self) -> str:
+        """Every fault once, in a shuffled order, then again: a short run still sees each."""
+        if not self._order:
+            self._order = list(self.faults)
+            self.rng.shuffle(self._order)
+        return self._order.pop()
+
+    def _sample(self) -> None:
+        try:
+            c: Any = self.client()
+            progress = {k.decode(): float(v) for k, v in c.hgetall(self.keys.progress).items()}
+            step = RunControl(c, self.keys).train_step()
+        except redis.RedisError:
+            return
+        self.samples.append(
+            {
+                "t": time.monotonic() - self.started,
+                "train_step": step,
+                "completed": progress.get(f"{TASK}:completed", 0.0),
+                "expired": progress.get(f"{TASK}:expired", 0.0),
+            }
+        )
+
+    # --- faults ----------------------------------------------------------------------
+
+    def inject(self, fault: str) -> None:
+        if fault == "kill_redis":
+            self._kill_redis()
+        elif fault == "kill_engine_actor":
+            self._kill_engine_actor()
+        elif fault == "stop_producer":
+            child = self.children[self.rng.choice(["producer-0", "producer-1"])]
+            if child.alive and child.proc is not None:
+                child.proc.send_signal(signal.SIGSTOP)
+                self.note("SIGSTOP", f"{child.name} for {CLAIM_IDLE_MS * 1.5 / 1000:.1f} s")
+                proc = child.proc
+                threading.Timer(CLAIM_IDLE_MS * 1.5 / 1000, lambda: _cont(proc)).start()
+        else:
+            name = {"kill_trainer": "trainer", "kill_feeder": "feeder", "kill_judge": "judge"}.get(
+                fault, self.rng.choice(["producer-0", "producer-1"])
+            )
+            child = self.children[name]
+            if child.alive and child.proc is not None:
+                child.proc.kill()
+                self.note("kill -9", name)
+
+    def _kill_redis(self) -> None:
+        with self.lock:
+            child = self.children["redis"]
+            if child.proc is not None:
+                child.proc.kill()
+                child.proc.wait()
+            self.note("kill -9", "redis-server")
+            time.sleep(1.0)
+            child.restarts += 1
+            child.start(self.env)
+            self.note("restart", "redis-server from its append-only file")
+
+    def _kill_engine_actor(self) -> None:
+        found = subprocess.run(["pgrep", "-f", "ray::EngineActor"], capture_output=True, text=True)
+        pids = [int(p) for p in found.stdout.split()]
+        if pids:
+            pid = self.rng.choice(pids)
+            os.kill(pid, signal.SIGKILL)
+            self.note("kill -9", f"engine actor (pid {pid})")
+
+    # --- the end ---------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """The run's stop event, then SIGTERM and SIGKILL for whatever is left."""
+        with contextlib.suppress(redis.RedisError):
+            RunControl(self.client(), self.keys).publish(STOP)
+        deadline = time.monotonic() + 30
+        for child in self.children.values():
+            if child.name == "redis" or child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.terminate()
+                try:
+                    child.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+
+    def shutdown_redis(self) -> None:
+        child = self.children.get("redis")
+        if child is not None and child.proc is not None and child.proc.poll() is None:
+            child.proc.terminate()
+            child.proc.wait(timeout=30)
+
+
+def _cont(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+
+
+# --- the account ---------------------------------------------------------------------
+
+
+def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
+    """Every fed prompt in exactly one row, from the trainer's record and Redis."""
+    client: Any = chaos.client()
+    progress = {k.decode(): float(v) for k, v in client.hgetall(chaos.keys.progress).items()}
+    # the feeder goes through the file in order (no shuffle): what it fed is a prefix
+    fed = int(progress.get(f"{TASK}:fed", 0))
+    expected = {f"{TASK}:q{i}@0" for i in range(fed)}
+    reads: dict[int, list[list[Any]]] = {}
+    committed: list[tuple[int, list[list[Any]]]] = []
+    uncommitted_reads: Counter[str] = Counter()
+    if chaos.record.exists():
+        for line in chaos.record.read_bytes().splitlines():
+            entry = orjson.loads(line)
+            if entry["event"] == "read":
+                if entry["step"] in reads:  # read again: the earlier read was never committed
+                    uncommitted_reads.update(g for g, _ in reads[entry["step"]])
+                reads[entry["step"]] = entry["groups"]
+            else:
+                committed.append((entry["step"], reads.pop(entry["step"], [])))
+    for groups in reads.values():  # read, never committed
+        uncommitted_reads.update(g for g, _ in groups)
+    times: Counter[str] = Counter(g for _, groups in committed for g, _ in groups)
+    violations = [
+        (step, g, version)
+        for step, groups in committed
+        for g, version in groups
+        if step - version - 1 >= THRESHOLD
+    ]
+    dead: dict[str, str] = {}
+    for _, fields in client.xrange(chaos.keys.dead):
+        gid = _group_id(fields)
+        if gid:
+            dead[gid] = fields.get(b"reason", b"").decode("utf-8", "replace")
+    pending: dict[str, str] = {}
+    for kind in ("prompts", "aborted", "expired", "groups"):
+        for _, fields in client.xrange(chaos.keys.stream(kind, TASK)):
+            gid = _group_id(fields)
+            if gid:
+                pending[gid] = kind
+    rows: Counter[str] = Counter()
+    where: defaultdict[str, Counter[str]] = defaultdict(Counter)
+    for gid in expected:
+        n = times[gid]
+        if n >= 2:
+            rows["trained twice, both committed"] += 1
+        elif n == 1:
+            rows["trained again after an uncommitted step" if uncommitted_reads[gid] else "trained once"] += 1
+        elif gid in dead:
+            rows["dead-lettered"] += 1
+            where["dead-lettered"][dead[gid].split(":")[0]] += 1
+        elif gid in pending:
+            rows["still pending"] += 1
+            where["still pending"][pending[gid]] += 1
+        else:
+            rows["lost"] += 1
+    completed = progress.get(f"{TASK}:completed", 0.0)
+    expired = progress.get(f"{TASK}:expired", 0.0)
+    faults = Counter(
+        _fault_name(kind, detail) for _, kind, detail in chaos.timeline if kind in ("kill -9", "SIGSTOP")
+    )
+    return {
+        "finished": finished,
+        "steps": len(committed),
+        "prompts": fed,
+        "rows": dict(rows),
+        "where": {k: dict(v) for k, v in where.items()},
+        "lost": rows["lost"],
+        "trained_twice_both_committed": rows["trained twice, both committed"],
+        "staleness_violations": len(violations),
+        "expired_per_completed": round(expired / completed, 4) if completed else 0.0,
+        "faults": dict(faults),
+        "restarts": {c.name: c.restarts for c in chaos.children.values()},
+    }
+
+
+def _fault_name(kind: str, detail: str) -> str:
+    """ "kill -9 producer", "SIGSTOP producer", "kill -9 engine actor", ... without numbers."""
+    what = detail.split(" (")[0].split(" for ")[0].rstrip("-0123456789")
+    return f"{kind} {what}"
+
+
+def _group_id(fields: Any) -> str:
+    if b"group_id" in fields:
+        return str(fields[b"group_id"].decode())
+    if b"uid" in fields and b"task" in fields:
+        return f"{fields[b'task'].decode()}:{fields[b'uid'].decode()}"
+    return ""
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"finished: {'yes' if result['finished'] else 'NO'} ({result['steps']} steps committed)",
+        "faults: " + ", ".join(f"{k} {v}x" for k, v in sorted(result["faults"].items())),
+        "restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(result["restarts"].items()) if v),
+        f"{'prompts fed':42} {result['prompts']:>6}",
+    ]
+    for row in ("trained once", "trained again after an uncommitted step", "trained twice, both committed",
+                "dead-lettered", "still pending", "lost"):  # fmt: skip
+        detail = result["where"].get(row)
+        extra = f"  ({', '.join(f'{k} {v}' for k, v in detail.items())})" if detail else ""
+        lines.append(f"  {row:40} {result['rows'].get(row, 0):>6}{extra}")
+    lines.append(f"{'staleness violations':42} {result['staleness_violations']:>6}")
+    lines.append(f"{'expired per completed group':42} {result['expired_per_completed']:>6.3f}")
+    return "\n".join(lines)
+
+
+def plot(chaos: Chaos, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4))
+    t = [s["t"] for s in chaos.samples]
+    ax.plot(t, [s["train_step"] for s in chaos.samples], label="train step")
+    ax.plot(t, [s["completed"] / BATCH for s in chaos.samples], label="groups completed / batch")
+    ax.plot(t, [s["expired"] for s in chaos.samples], label="groups expired")
+    for at, kind, detail in chaos.timeline:
+        if kind in ("kill -9", "SIGSTOP"):
+            ax.axvline(at, color="red", alpha=0.3, linewidth=1)
+            ax.text(at, 0, detail.split(" ")[0], rotation=90, fontsize=6, va="bottom")
+    ax.set_xlabel("seconds")
+    ax.legend(loc="upper left")
+    ax.set_title("chaos run: faults (red), steps, throughput and expiries")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a short mixed-fault run (CI)")
+    parser.add_argument("--out", default="bench/results/chaos", help="where report.json, logs and the PNG go")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--faults", help=f"comma-separated subset of {','.join(FAULTS)}")
+    parser.add_argument("--no-faults", action="store_true", help="a fault-free run, for comparison")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    faults = () if args.no_faults else tuple(args.faults.split(",")) if args.faults else FAULTS
+    prompts, steps, every, deadline = (600, 40, 2.5, 300.0) if args.smoke else (2000, 150, 2.0, 1200.0)
+    chaos = Chaos(out, prompts, steps, every, faults, args.seed)
+    try:
+        finished = chaos.supervise(deadline)
+        chaos.stop()
+        result = account(chaos, finished)
+    finally:
+        chaos.stop()
+        chaos.shutdown_redis()
+    (out / "report.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    plot(chaos, out / "timeline.png")
+    print(report(result))
+    ok = result["finished"] and result["lost"] == 0 and result["trained_twice_both_committed"] == 0
+    return 0 if ok and result["staleness_violations"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
