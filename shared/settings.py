@@ -5,25 +5,32 @@ Sources, highest priority first: keyword arguments, environment variables
 then ``rollstream.toml`` in the working directory (or the file that
 ``ROLLSTREAM_CONFIG`` names), then the defaults below.
 
-An invalid value fails in :func:`load_settings` with a :class:`SettingsError`
-that names the setting, both as a dotted path and as its environment
-variable, and what is allowed.
+Every problem fails in :func:`load_settings` with a :class:`SettingsError` of
+one line per problem, naming where the value came from (the environment
+variable, the file and line, or the flag), the setting as a dotted path, the
+value with any password masked, and what is allowed. Unknown ``ROLLSTREAM_``
+variables and unknown keys of the file are errors too, with a "did you mean".
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 import re
+import tomllib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, Literal, TypeGuard, get_args, get_origin
+from urllib.parse import parse_qs, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 from pydantic_settings.exceptions import SettingsError as PydanticSettingsError
 
@@ -33,22 +40,55 @@ ENV_PREFIX = "ROLLSTREAM_"
 CONFIG_ENV = "ROLLSTREAM_CONFIG"
 DEFAULT_CONFIG_FILE = "rollstream.toml"
 
+# ROLLSTREAM_ variables that are not settings yet must not be refused as unknown ones.
+# ROLLSTREAM_CONFIG names the settings file; the Procfile reads the next five (and .env
+# sets some of them for it); bench/common.py reads ROLLSTREAM_BENCH_RESULTS.
+NON_SETTING_ENV = frozenset(
+    {
+        CONFIG_ENV,
+        "ROLLSTREAM_STEPS",
+        "ROLLSTREAM_PROMPTS",
+        "ROLLSTREAM_EPOCHS",
+        "ROLLSTREAM_TASK",
+        "ROLLSTREAM_REDIS_DIR",
+        "ROLLSTREAM_BENCH_RESULTS",
+    }
+)
+
 # Names end up inside Redis keys and SCAN patterns: no braces, colons or glob characters.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 _NAME_RE = re.compile(NAME_PATTERN)
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+# Redis numbers its databases from 0 and allows at most INT_MAX of them (16 by default).
+_MAX_DB = 2**31 - 2
+_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&;]password=)[^&#\s'\"]*")
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***`` (user names are kept)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+    """The URL with its password replaced by ``***`` (user names are kept).
+
+    Works on the text rather than on urlsplit, which raises on a bad port and
+    splits a password holding a raw '/' or '@' at the wrong place: everything
+    between the first ':' of the user part and the last '@' is masked.
+    """
+    scheme_end = url.find("://")
+    start = scheme_end + 3 if scheme_end >= 0 else 0
+    at = url.rfind("@")
+    if at >= start:
+        colon = url.find(":", start, at)
+        if colon >= 0:
+            url = f"{url[: colon + 1]}***{url[at:]}"
+    elif scheme_end >= 0:
+        # Without an '@', what follows the last ':' of the host part is a port; when it is not a
+        # number it may be a password whose '@host' was left out.
+        end = min((i for i in (url.find(c, start) for c in "/?#") if i >= 0), default=len(url))
+        netloc = url[start:end]
+        colon = netloc.rfind(":")
+        port = netloc[colon + 1 :]
+        if colon >= 0 and port and not port.isdigit() and not netloc.endswith("]"):
+            url = f"{url[: start + colon + 1]}***{url[end:]}"
+    # redis-py passes unknown query parameters to the connection: ?password= is one.
+    return _QUERY_PASSWORD_RE.sub(r"\1***", url)
 
 
 class RedisSettings(BaseModel):
@@ -66,16 +106,45 @@ class RedisSettings(BaseModel):
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in REDIS_SCHEMES:
-            raise ValueError(f"the scheme must be one of {', '.join(REDIS_SCHEMES)}")
-        if parts.scheme != "unix" and not parts.hostname:
-            raise ValueError("a host is required, as in redis://host:6379/0")
+        # The messages never repeat a part of the URL that could hold the password.
         try:
-            parts.port  # noqa: B018 - urlsplit parses the port lazily and raises here
-        except ValueError as exc:
-            raise ValueError(f"invalid port: {exc}") from None
+            parts = urlsplit(value)
+        except ValueError as exc:  # an unbalanced '[' of an IPv6 host
+            raise ValueError(f"the host is not valid: {exc}") from None
+        if parts.scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, as in redis://host:6379/0"
+            )
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("the host is missing: a host is required, as in redis://host:6379/0")
+        try:
+            port = parts.port
+        except ValueError:  # not a number, or above 65535
+            port = 0
+        if port == 0:
+            raise ValueError(
+                "the port is not valid: it must be a number from 1 to 65535, as in redis://host:6379/0 "
+                "or redis://user:password@host:6379/0"
+            )
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError("the socket path is missing, as in unix:///run/redis.sock")
+        # redis-py reads the database from ?db= or else the path, and silently uses 0 when the
+        # path is not a number: a typo would otherwise share database 0 with another run.
+        query = parse_qs(parts.query)
+        if "db" in query:
+            _check_db(query["db"][0], "the db query parameter")
+        elif parts.scheme != "unix" and parts.path not in ("", "/"):
+            _check_db(parts.path.removeprefix("/"), "the database (the path after host:port)")
         return value
+
+
+def _check_db(text: str, what: str) -> None:
+    if not text.isdigit():
+        raise ValueError(f"{what} is not a whole number: it must be 0 or more, as in redis://host:6379/0")
+    if int(text) > _MAX_DB:
+        raise ValueError(
+            f"{what} is out of range: it must be 0 to {_MAX_DB} (a server has 16, 0-15, by default)"
+        )
 
 
 class TaskSettings(BaseModel):
@@ -222,15 +291,16 @@ class Settings(BaseSettings):
     process: ProcessSettings = Field(default_factory=ProcessSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
-    @model_validator(mode="after")
-    def _unique_tasks(self) -> Settings:
-        names = [t.name for t in self.tasks]
+    @field_validator("tasks")
+    @classmethod
+    def _unique_tasks(cls, tasks: list[TaskSettings]) -> list[TaskSettings]:
+        names = [t.name for t in tasks]
         if not names:
-            raise ValueError("tasks: at least one task is required")
+            raise ValueError("at least one task is required")
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"tasks: names must be unique, repeated: {', '.join(dupes)}")
-        return self
+            raise ValueError(f"names must be unique, repeated: {', '.join(dupes)}")
+        return tasks
 
     def task(self, name: str) -> TaskSettings:
         for task in self.tasks:
@@ -248,24 +318,253 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        toml_path = Path(os.environ.get(CONFIG_ENV, DEFAULT_CONFIG_FILE))
-        return (
-            init_settings,
-            env_settings,
-            TomlConfigSettingsSource(settings_cls, toml_file=toml_path),
-        )
+        # The file is read by _read_toml rather than TomlConfigSettingsSource, so that a broken
+        # file is one SettingsError line (file:line) even for a Settings() built directly.
+        toml_data = _read_toml(_config_path())[0]
+        return (init_settings, env_settings, InitSettingsSource(settings_cls, toml_data))
 
 
+def _config_path() -> Path:
+    return Path(os.environ.get(CONFIG_ENV, DEFAULT_CONFIG_FILE))
+
+
+# tomllib's messages end with the position: "Invalid value (at line 3, column 5)".
+_TOML_AT_RE = re.compile(
+    r"^(?P<what>.*?)\s*\(at (?:line (?P<line>\d+), column (?P<column>\d+)|end of document)\)$"
+)
+
+
+def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
+    """The settings file as data and text; ``({}, "")`` when there is none."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as exc:
+        raise SettingsError(f"{path}: the settings file cannot be read: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - raw.rfind(b"\n", 0, exc.start)
+        raise SettingsError(
+            f"{path}:{line}: not a TOML file: byte {raw[exc.start]:#04x} at column {column} is not UTF-8 "
+            "(a settings file is UTF-8 text)"
+        ) from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib names at most a key or one character, never a value (which could be a password).
+        found = _TOML_AT_RE.match(str(exc))
+        if found is None:
+            raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+        if found["line"] is None:
+            where, at = str(text.count("\n") + 1), "at the end of the file"
+        else:
+            where, at = found["line"], f"column {found['column']}"
+        raise SettingsError(f"{path}:{where}: not valid TOML: {found['what']} ({at})") from None
+
+
+# A key line of a TOML file (`a.b = ...`) and a table header (`[a.b]`, `[[tasks]]`).
+_TOML_KEY = r"""(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')"""
+_TOML_KEY_RE = re.compile(rf"^\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*=")
+_TOML_TABLE_RE = re.compile(rf"^\s*(\[\[?)\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*\]\]?\s*(?:#.*)?$")
+
+
+def _toml_line(text: str, loc: Sequence[str | int]) -> int | None:
+    """Best guess of the line that sets ``loc``: tomllib keeps no positions.
+
+    The line of the key itself, else of the closest enclosing table or inline
+    value (a header ``[rollout]``, ``tasks = [...]``), else the first line inside.
+    """
+    target = [str(p) for p in loc]
+    table: list[str] = []
+    arrays: dict[tuple[str, ...], int] = {}
+    best: tuple[int, int] | None = None  # (score, line)
+    for number, line in enumerate(text.splitlines(), 1):
+        if header := _TOML_TABLE_RE.match(line):
+            table = [k.strip("\"'") for k in re.findall(_TOML_KEY, header[2])]
+            if header[1] == "[[":
+                arrays[tuple(table)] = arrays.get(tuple(table), -1) + 1
+                table = [*table, str(arrays[tuple(table)])]
+            here = table
+        elif key := _TOML_KEY_RE.match(line):
+            here = table + [k.strip("\"'") for k in re.findall(_TOML_KEY, key[1])]
+        else:
+            continue
+        if here == target:
+            return number
+        if here == target[: len(here)]:
+            score = len(here)
+        elif target == here[: len(target)]:
+            score = 0
+        else:
+            continue
+        if best is None or score > best[0]:
+            best = (score, number)
+    return None if best is None else best[1]
+
+
+def _is_model(kind: Any) -> TypeGuard[type[BaseModel]]:
+    return isinstance(kind, type) and issubclass(kind, BaseModel)
+
+
+def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The settings class of the section (or list item) at ``loc``, if it is one."""
+    kind: Any = Settings
+    for part in loc:
+        if isinstance(part, int) or part.isdigit():
+            if get_origin(kind) is not list:
+                return None
+            kind = get_args(kind)[0]
+        elif _is_model(kind) and part in kind.model_fields:
+            kind = kind.model_fields[part].annotation
+        else:
+            return None
+    return kind if _is_model(kind) else None
+
+
+def _env_variables() -> dict[str, tuple[str, ...]]:
+    """Every settings variable, upper case, with its path; a section's own variable takes JSON."""
+    found: dict[str, tuple[str, ...]] = {}
+
+    def walk(model: type[BaseModel], path: tuple[str, ...]) -> None:
+        for name, field in model.model_fields.items():
+            sub = (*path, name)
+            found[ENV_PREFIX + "__".join(sub).upper()] = sub
+            if _is_model(inner := field.annotation):
+                walk(inner, sub)
+
+    walk(Settings, ())
+    return found
+
+
+def _show(value: Any) -> str:
+    """A value as an error message shows it: any password masked."""
+    if isinstance(value, str):
+        return repr(redact_url(value))
+    if isinstance(value, dict | BaseModel):
+        return "an object"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return repr(value)
+
+
+def _example(model: type[BaseModel]) -> dict[str, Any]:
+    if model is TaskSettings:
+        return {"name": "math", "n": 8}
+    name, field = next(iter(model.model_fields.items()))
+    return {name: field.get_default(call_default_factory=True)}
+
+
+def _allowed_here(model: type[BaseModel] | None, path: Sequence[str | int], name: str) -> str:
+    """'did you mean x?' for a misspelt ``name`` inside ``path``, else the names allowed there."""
+    if model is None:
+        return ""
+    fields = list(model.model_fields)
+    where = ".".join(str(p) for p in path)
+    close = difflib.get_close_matches(name, fields, n=1)
+    if close:
+        return f"; did you mean {where + '.' if where else ''}{close[0]}?"
+    return f"; {where} has: {', '.join(fields)}" if where else f"; the settings are: {', '.join(fields)}"
+
+
+# The command line's flags that become keyword overrides (cli/main.py): an error in one names it.
+_FLAGS = {"run": "--run", "redis.url": "--redis-url"}
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
-def _describe(error: dict[str, Any]) -> str:
-    loc = [str(p) for p in error["loc"]]
-    dotted = ".".join(loc) or "settings"
-    # List items (tasks.0.n) have no variable of their own: the list is one JSON variable.
-    head = loc[: next((i for i, p in enumerate(loc) if p.isdigit()), len(loc))]
-    env = ENV_PREFIX + "__".join(p.upper() for p in head)
-    kind, ctx = error["type"], error.get("ctx") or {}
+class _Sources:
+    """Where each value came from, to name it in an error: the same order as the settings."""
+
+    def __init__(
+        self,
+        overrides: Mapping[str, Any],
+        env: Mapping[str, str],
+        path: Path,
+        toml: tuple[dict[str, Any], str],
+    ) -> None:
+        self.overrides = overrides
+        self.env = env  # upper-case name -> value
+        self.path = path
+        self.toml_data, self.toml_text = toml
+
+    @staticmethod
+    def _holds(data: Any, loc: Sequence[str | int]) -> bool:
+        for part in loc:
+            if not isinstance(data, dict):
+                return True  # a scalar or a list where loc goes on: this source gave the container
+            if part not in data:
+                return False
+            data = data[part]
+        return True
+
+    def origin(self, loc: Sequence[str | int]) -> tuple[Literal["keyword", "env", "toml", "default"], str]:
+        """The source of the value at ``loc`` and how to name it: a flag, a variable, file:line."""
+        names = [str(p) for p in loc]
+        if loc and self._holds(self.overrides, loc):
+            dotted = ".".join(names)
+            flag = f"flag {_FLAGS[dotted]} or " if dotted in _FLAGS else ""
+            return "keyword", f"{flag}keyword argument {names[0]}"
+        # A list's items have no variable of their own: the list is one JSON variable.
+        head = names[: next((i for i, p in enumerate(loc) if isinstance(p, int)), len(loc))]
+        for depth in range(len(head), 0, -1):
+            variable = ENV_PREFIX + "__".join(head[:depth]).upper()
+            if variable not in self.env:
+                continue
+            if depth == len(loc):
+                return "env", variable
+            try:
+                data = json.loads(self.env[variable])
+            except ValueError:
+                return "env", variable
+            if self._holds(data, loc[depth:]):
+                return "env", variable
+        # A section that variables below it built (ROLLSTREAM_TASKS__NAME makes tasks an object).
+        below = ENV_PREFIX + "__".join(head).upper() + "__"
+        if head and len(head) == len(loc):
+            for variable in self.env:
+                if variable.startswith(below):
+                    return "env", variable
+        if loc and self._holds(self.toml_data, loc):
+            line = _toml_line(self.toml_text, loc)
+            return "toml", f"{self.path}:{line}" if line else str(self.path)
+        return "default", ENV_PREFIX + "__".join(head).upper()
+
+
+def _must_be_section(model: type[BaseModel], dotted: str, source: str) -> str:
+    example = _example(model)
+    if model is TaskSettings:
+        return f"must be a task, as in {json.dumps(example)}"
+    key, value = next(iter(example.items()))
+    if source == "env":
+        variable = ENV_PREFIX + dotted.replace(".", "__").upper()
+        return (
+            f"must be a JSON object of {dotted}'s settings, as in {json.dumps(example)} "
+            f"(or set {variable}__{key.upper()} and the like instead)"
+        )
+    if source == "toml":
+        line = f"{key} = {json.dumps(value)}"
+        return f"must be a table of {dotted}'s settings, as in [{dotted}] with {line} under it"
+    return f"must be a dict of {dotted}'s settings, as in {json.dumps(example)}"
+
+
+def _must_be_list(source: str) -> str:
+    example = _example(TaskSettings)
+    if source == "env":
+        return f"must be a JSON list of tasks, as in [{json.dumps(example)}]"
+    if source == "toml":
+        return 'must be an array of tables, as in [[tasks]] with name = "math" under it, one per task'
+    return f"must be a list of tasks, as in [{json.dumps(example)}]"
+
+
+def _describe(error: ErrorDetails, sources: _Sources) -> tuple[str, str]:
+    """One line for one validation error, and the source's name (to leave out repeats)."""
+    loc = error["loc"]
+    dotted = ".".join(str(p) for p in loc) or "settings"
+    source, where = sources.origin(loc)
+    kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
+    hint = ""
     if kind in _BOUNDS:
         bound = next(iter(ctx.values()))
         message = f"must be {_BOUNDS[kind]} {bound}"
@@ -273,31 +572,110 @@ def _describe(error: dict[str, Any]) -> str:
         message = f"must match the pattern {ctx.get('pattern')} (letters, digits, '_', '.', '-')"
     elif kind == "extra_forbidden":
         message = "is not a setting"
+        hint = _allowed_here(_model_at(loc[:-1]), loc[:-1], str(loc[-1]))
+    elif kind == "missing":
+        message = "is required"
+    elif kind == "model_type" and (model := _model_at(loc)) is not None:
+        message = _must_be_section(model, dotted, source)
+    elif kind == "list_type" and tuple(loc) == ("tasks",):
+        message = _must_be_list(source)
     else:
-        message = str(error["msg"]).removeprefix("Value error, ")
-    value = error.get("input")
-    shown = "" if isinstance(value, dict | list) or kind == "missing" else f", got {value!r}"
-    return f"invalid setting {dotted} ({env}): {message}{shown}"
+        message = str(error["msg"]).removeprefix("Value error, ").replace("Input should be", "must be", 1)
+    shown = ""
+    if kind != "missing" and (kind in ("model_type", "list_type") or not isinstance(value, dict | list)):
+        shown = f", got {_show(value)}"
+    return f"invalid setting {dotted} ({where}): {message}{shown}{hint}", where
+
+
+def _check_env(env: Mapping[str, str], names: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Unknown ROLLSTREAM_ variables and section or list variables that are not JSON.
+
+    pydantic-settings (2.16) ignores an unknown top-level variable and reports a
+    nested one as an unknown key, so a misspelt name would silently do nothing.
+    """
+    known = _env_variables()
+    problems: list[tuple[str, str]] = []
+    for upper, value in env.items():
+        variable = names[upper]
+        if upper in NON_SETTING_ENV:
+            continue
+        path = known.get(upper)
+        if path is None:
+            parts = upper.removeprefix(ENV_PREFIX).lower().split("__")
+            dotted = ".".join(parts) or "''"
+            problems.append(
+                (
+                    f"invalid setting {dotted} ({variable}): is not a setting, got {_show(value)}"
+                    + _unknown_hint(upper, parts, known),
+                    upper,
+                )
+            )
+            continue
+        model = _model_at(path)
+        if model is None and path != ("tasks",):
+            continue
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            dotted = ".".join(path)
+            allowed = _must_be_list("env") if model is None else _must_be_section(model, dotted, "env")
+            problems.append(
+                (
+                    f"invalid setting {dotted} ({variable}): not valid JSON ({exc}); "
+                    f"expected {allowed.removeprefix('must be ')}, got {_show(value)}",
+                    upper,
+                )
+            )
+    return problems
+
+
+def _unknown_hint(upper: str, parts: list[str], known: Mapping[str, tuple[str, ...]]) -> str:
+    # Inside a known section, compare with that section's names only: a whole-name match would
+    # offer the section itself for any unknown name in it.
+    section = ENV_PREFIX + "__".join(parts[:-1]).upper()
+    if len(parts) > 1 and section in known and (model := _model_at(known[section])) is not None:
+        close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1)
+        if close:
+            return f"; did you mean {section}__{close[0].upper()}?"
+        return f"; {'.'.join(parts[:-1])} has: {', '.join(model.model_fields)}"
+    candidates = {name.removeprefix(ENV_PREFIX): name for name in [*known, *NON_SETTING_ENV]}
+    close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), list(candidates), n=1)
+    if close:
+        return f"; did you mean {candidates[close[0]]}?"
+    return f"; the settings are: {', '.join(Settings.model_fields)}"
 
 
 def load_settings(**overrides: Any) -> Settings:
-    """Build the settings, or raise SettingsError naming every invalid field."""
+    """Build the settings, or raise SettingsError naming every problem, one line each."""
     config = os.environ.get(CONFIG_ENV)
     if config and not Path(config).is_file():
         raise SettingsError(f"{CONFIG_ENV} names {config!r}, which is not a file")
+    # pydantic-settings matches variable names case-insensitively: so does the check.
+    names = {name.upper(): name for name in os.environ if name.upper().startswith(ENV_PREFIX)}
+    env = {upper: os.environ[name] for upper, name in names.items()}
+    problems = _check_env(env, names)
+    reported = {upper for _, upper in problems}
+    path = _config_path()
+    try:
+        toml = _read_toml(path)
+    except SettingsError as exc:
+        raise SettingsError("\n".join([*(line for line, _ in problems), str(exc)])) from None
+    lines = [line for line, _ in problems]
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
-        raise SettingsError("\n".join(_describe(e) for e in exc.errors())) from None  # type: ignore[arg-type]
-    except PydanticSettingsError as exc:  # a value that is not JSON where JSON is expected, a bad file
-        found = re.search(r'field "(\w+)" from source "(\w+)"', str(exc))
-        cause = f": {exc.__cause__}" if exc.__cause__ else ""
-        if found is None:
-            raise SettingsError(f"{exc}{cause}") from None
-        field, source = found.groups()
-        where = f"{ENV_PREFIX}{field.upper()}" if source.startswith("Env") else source
-        raise SettingsError(f"invalid setting {field} ({where}): not valid JSON{cause}") from None
-    return settings
+        sources = _Sources(overrides, env, path, toml)
+        for error in exc.errors():
+            line, where = _describe(error, sources)
+            if where not in reported:  # an unknown variable is already named above
+                lines.append(line)
+    except PydanticSettingsError as exc:  # a section or list variable that is not JSON
+        if not lines:  # _check_env names these; this is a fallback
+            lines.append(f"{exc}: {exc.__cause__}" if exc.__cause__ else str(exc))
+    else:
+        if not lines:
+            return settings
+    raise SettingsError("\n".join(dict.fromkeys(lines))) from None
 
 
 def validate_name(value: str, what: str) -> str:
