@@ -36,10 +36,12 @@ def _buffer(settings: Settings, role: str) -> ReplayBuffer:
     return ReplayBuffer(connect(settings.redis), settings, default_consumer_name(role))
 
 
-def feed(settings: Settings, path: str, task: str, stop: threading.Event) -> int:
+def feed(
+    settings: Settings, path: str, task: str, stop: threading.Event, *, first_uid_wins: bool = False
+) -> int:
     """One-shot feed: every line is checked before anything is written; waits for Redis."""
     settings.task(task)
-    prompts = read_prompt_file(path, task)
+    prompts = read_prompt_file(path, task, first_uid_wins=first_uid_wins)
     start_line("feed", settings, file=path, task=task)
     client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
     if client is None:

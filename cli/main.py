@@ -36,13 +36,9 @@ def _settings(args: argparse.Namespace) -> Settings:
         overrides["run"] = args.run
     if args.redis_url:
         overrides["redis"] = {"url": args.redis_url}
-    settings = load_settings()
-    if overrides:
-        # Flags win over the environment and the file, field by field.
-        merged = settings.model_dump()
-        for key, value in overrides.items():
-            merged[key] = {**merged[key], **value} if isinstance(value, dict) else value
-        settings = load_settings(**merged)
+    # Flags win over the environment and the file, field by field (sources merge deeply),
+    # and a bad value in the environment that a flag replaces is never looked at.
+    settings = load_settings(**overrides)
     level = logging.getLevelName(settings.log.level) - 10 * (args.verbose - args.quiet)
     setup_logging(min(max(level, logging.DEBUG), logging.CRITICAL), settings.log.format)
     return settings
@@ -54,7 +50,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
     settings = _settings(args)
     stop = stop_on_signals()
     if args.epochs is None and args.keep_ahead is None and not args.shuffle and not args.until_stopped:
-        return feed(settings, args.path, args.task, stop)
+        return feed(settings, args.path, args.task, stop, first_uid_wins=args.first_uid_wins)
     return run_feeder(
         settings,
         args.path,
@@ -180,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("feed", help="add prompts from a JSONL file to a task's stream")
     p.add_argument("path", help="JSONL file: one {prompt | messages, uid?, meta?} per line")
     p.add_argument("--task", required=True, help="task the prompts belong to")
+    p.add_argument(
+        "--first-uid-wins",
+        action="store_true",
+        help="a uid twice in the file: keep the first, count the rest",
+    )
     p.add_argument("--epochs", type=_at_least(1), help="feeder mode: iterate the file this many times")
     p.add_argument("--shuffle", action="store_true", help="feeder mode: shuffle each epoch")
     p.add_argument("--seed", type=int, default=0, help="feeder mode: shuffle seed")

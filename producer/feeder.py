@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from producer.prompts import iter_lines, parse_prompt
+from producer.prompts import UidCheck, check_readable, iter_lines, parse_prompt
 from shared.buffer import FEED_CHUNK, ReplayBuffer
 from shared.errors import FeederError, InputError
 from shared.records import Prompt
@@ -93,16 +93,17 @@ class Feeder:
 
     def _index(self) -> str:
         """Validate every line before anything is written; keep the offsets of the rows."""
-        if not self.path.is_file():
-            raise InputError(f"{self.path}: no such file")
+        check_readable(self.path)
         digest = hashlib.sha1()
+        uids = UidCheck(str(self.path))
         for number, offset, raw in iter_lines(self.path):
-            parse_prompt(raw, path=str(self.path), line=number, task=self.task)
+            uids.keep(parse_prompt(raw, path=str(self.path), line=number, task=self.task), number)
             self.offsets.append(offset)
             self.line_numbers.append(number)
             digest.update(raw)
         if not self.offsets:
             raise InputError(f"{self.path}: no prompts in the file")
+        self._stamp = self._file_stamp()
         return f"{self.path.name}:{len(self.offsets)}:{digest.hexdigest()[:16]}"
 
     def order(self, epoch: int) -> np.ndarray:
@@ -127,7 +128,16 @@ class Feeder:
             )
         return raw, cursor
 
+    def _file_stamp(self) -> tuple[int, int]:
+        stat = self.path.stat()
+        return stat.st_size, stat.st_mtime_ns
+
     def _rows(self, indices: np.ndarray, epoch: int) -> list[Prompt]:
+        if self._file_stamp() != self._stamp:
+            raise FeederError(
+                f"{self.path} changed since the feeder read it (size or modification time): "
+                "its rows are read again by offset, so restart the feeder (a changed file is a new dataset)"
+            )
         out = []
         with self.path.open("rb") as handle:
             for index in map(int, indices):
