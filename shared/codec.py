@@ -23,18 +23,41 @@ A fresh prompt entry is ``uid task data`` with the Prompt as orjson in ``data``.
 
 Token arrays round-trip bit for bit (NaN logprobs included). The JSON parts
 (meta, rewards, texts) follow JSON: a non-finite float there becomes null.
+
+Decoding is the one place where an entry read from Redis is checked: a bad one
+raises DecodeError with the reason, never another exception, so that the
+buffer dead-letters it at its first delivery instead of a producer or trainer
+failing on it at every attempt. Every length, count and version run is
+checked against the entry's own byte sizes before anything is allocated, and
+every value against the type and range its user needs (versions and steps
+fit the int32 version dtype, a reward score is a number, a chat message has
+content). The checks are comparisons per sample and per run, never per token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
 
 from shared.errors import DecodeError
-from shared.records import ID_DTYPE, LOGPROB_DTYPE, Group, IdArray, Prompt, Sample, Status
+from shared.records import (
+    ID_DTYPE,
+    ID_MAX,
+    ID_MIN,
+    LOGPROB_DTYPE,
+    MAX_STEP,
+    FloatArray,
+    Group,
+    IdArray,
+    Prompt,
+    Sample,
+    Status,
+)
+
+T = TypeVar("T")
 
 Fields = dict[str, bytes | str | int | float]
 WireFields = dict[str, bytes | str | int | float | tuple[np.ndarray, ...]]
@@ -42,6 +65,7 @@ RawFields = Mapping[bytes, bytes]
 
 _EMPTY_IDS = np.zeros(0, dtype=ID_DTYPE)
 _STATUS = {status.value: status for status in Status}
+_INT64_MAX = 2**63 - 1
 
 
 # --- prompts ---------------------------------------------------------------------------
@@ -56,14 +80,55 @@ def prompt_to_dict(prompt: Prompt) -> dict[str, Any]:
     return out
 
 
-def prompt_from_dict(data: Mapping[str, Any]) -> Prompt:
-    return Prompt(
-        uid=data["uid"],
-        task=data["task"],
-        prompt=data["prompt"],
-        prompt_ids=data.get("prompt_ids"),
-        meta=data.get("meta", {}),
-    )
+def prompt_from_dict(data: object) -> Prompt:
+    """A Prompt from its JSON form, checked: DecodeError names what is wrong, here, rather
+    than a TypeError in a producer at every attempt at the prompt."""
+    if type(data) is not dict:
+        raise DecodeError(f"the prompt record is {_shown(data)}, not an object")
+    try:
+        uid, task, text = data["uid"], data["task"], data["prompt"]
+    except KeyError as exc:
+        raise DecodeError(f"missing field {exc.args[0]!r}") from None
+    if type(uid) is not str:
+        raise DecodeError(f"uid is {_shown(uid)}, not text")
+    if type(task) is not str:
+        raise DecodeError(f"task is {_shown(task)}, not text")
+    if type(text) is list:
+        _check_chat(text)
+    elif type(text) is not str:
+        raise DecodeError(f"prompt is {_shown(text)}, not text or chat messages")
+    prompt_ids = data.get("prompt_ids")
+    if prompt_ids is not None:
+        _check_token_ids(prompt_ids, "prompt_ids")
+    meta = data.get("meta")
+    if meta is None:
+        meta = {}
+    elif type(meta) is not dict:
+        raise DecodeError(f"meta is {_shown(meta)}, not an object")
+    return Prompt(uid, task, text, prompt_ids, meta)
+
+
+def _check_chat(messages: list[Any]) -> None:
+    if not messages:
+        raise DecodeError("prompt is an empty list of chat messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DecodeError(f"chat message {i} is {_shown(message)}, not an object")
+        if not isinstance(message.get("role"), str):
+            raise DecodeError(f"chat message {i} has role {_shown(message.get('role'))}, not text")
+        if "content" not in message:
+            raise DecodeError(f"chat message {i} has no content")
+        # a list: the content parts of a multimodal message, as chat templates take them
+        if not isinstance(message["content"], str | list):
+            raise DecodeError(f"chat message {i} has content {_shown(message['content'])}, not text")
+
+
+def _check_token_ids(ids: object, name: str) -> None:
+    # set(map(type)) and min / max run in C: no Python loop per token
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
+        raise DecodeError(f"{name} is {_shown(ids)}, not a list of token ids")
+    if ids and (min(ids) < ID_MIN or max(ids) > ID_MAX):
+        raise DecodeError(f"{name} holds a token id outside the int32 range")
 
 
 def encode_prompt(prompt: Prompt) -> Fields:
@@ -73,6 +138,8 @@ def encode_prompt(prompt: Prompt) -> Fields:
 def decode_prompt(fields: RawFields) -> Prompt:
     try:
         return prompt_from_dict(orjson.loads(fields[b"data"]))
+    except DecodeError as exc:
+        raise DecodeError(f"undecodable prompt entry: {exc}", fields) from None
     except (KeyError, TypeError, ValueError) as exc:
         raise DecodeError(f"undecodable prompt entry: {_reason(exc)}", fields) from None
 
@@ -107,35 +174,25 @@ def _runs(arrays: list[IdArray]) -> list[list[list[int]]]:
 
 
 def _unruns(runs: list[list[int]], pool: dict[Any, IdArray]) -> IdArray:
-    """Versions from runs. A single run (the common case) is a view of one read-only
-    array per step and group, and samples with the same runs share one array, so a
-    group of n samples allocates once or twice, not n times."""
+    """Versions from runs (checked by _samples). A single run (the common case) is a
+    view of one read-only array per step and group, and samples with the same runs share
+    one array, so a group of n samples allocates once or twice, not n times."""
     if not runs:
         return _EMPTY_IDS
     if len(runs) == 1:
         value, count = runs[0]
-        if count < 1:
-            raise ValueError("version run with a count below 1")
         return pool[value][:count]
     key = tuple(map(tuple, runs))
     versions = pool.get(key)
     if versions is None:
         values, counts = zip(*runs, strict=True)
-        if min(counts) < 1:
-            raise ValueError("version run with a count below 1")
         versions = np.repeat(np.asarray(values, dtype=ID_DTYPE), counts)
         versions.flags.writeable = False  # like every other array of a decoded group
         pool[key] = versions
     return versions
 
 
-def _version_pool(sample_meta: list[dict[str, Any]]) -> dict[Any, IdArray]:
-    longest: dict[int, int] = {}
-    for item in sample_meta:
-        runs = item["ver"]
-        if len(runs) == 1:
-            value, count = runs[0]
-            longest[value] = max(longest.get(value, 0), count)
+def _version_pool(longest: dict[int, int]) -> dict[Any, IdArray]:
     pool: dict[Any, IdArray] = {}
     for value, count in longest.items():
         array = np.full(count, value, dtype=ID_DTYPE)
@@ -215,67 +272,201 @@ def encode_group_parts(group: Group) -> WireFields:
 def decode_group(fields: RawFields) -> Group:
     try:
         return _decode_group(fields)
-    except DecodeError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+    except DecodeError as exc:
+        raise DecodeError(f"undecodable group entry: {exc}", fields) from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
+        # MemoryError is not in the list: sizes are checked before anything is allocated, so
+        # one would be this process's memory running out, not the entry's fault.
         raise DecodeError(f"undecodable group entry: {_reason(exc)}", fields) from None
 
 
 def _decode_group(fields: RawFields) -> Group:
-    meta = orjson.loads(fields[b"meta"])
-    prompt_ids = np.frombuffer(fields[b"prompt_ids"], dtype=ID_DTYPE)
-    response_ids = np.frombuffer(fields[b"response_ids"], dtype=ID_DTYPE)
-    logprobs = np.frombuffer(fields[b"logprobs"], dtype=LOGPROB_DTYPE)
-    shared_prompt = meta["shared_prompt"]
-    if meta.get("prompt_ids_in_samples"):
-        meta["prompt"]["prompt_ids"] = prompt_ids.tolist()
-    pool = _version_pool(meta["samples"])
-    samples = []
+    meta = _field(fields, b"meta", orjson.loads)
+    if type(meta) is not dict:
+        raise DecodeError(f"meta is {_shown(meta)}, not a JSON object")
+    prompt_ids = _field(fields, b"prompt_ids", _ids)
+    response_ids = _field(fields, b"response_ids", _ids)
+    logprobs = _field(fields, b"logprobs", _logprobs)
+    shared_prompt, items = meta["shared_prompt"], meta["samples"]
+    if type(shared_prompt) is not bool:
+        raise DecodeError(f"shared_prompt is {_shown(shared_prompt)}, not true or false")
+    if type(items) is not list:
+        raise DecodeError(f"samples is {_shown(items)}, not a list")
+    samples, runs_of, longest = _samples(items, shared_prompt, prompt_ids, response_ids, logprobs)
+    # only now, with every count checked against the entry's own sizes, allocate versions
+    pool = _version_pool(longest)
+    for sample, runs in zip(samples, runs_of, strict=True):
+        sample.response_versions = _unruns(runs, pool)
+    created_at, timings = meta["created_at"], meta["timings"]
+    if type(created_at) is not float and type(created_at) is not int:
+        raise DecodeError(f"created_at is {_shown(created_at)}, not a time")
+    if type(timings) is not dict or not set(map(type, timings.values())) <= {int, float}:
+        raise DecodeError(f"timings is {_shown(timings)}, not an object of seconds")
+    prompt = prompt_from_dict(meta["prompt"])
+    in_samples = meta.get("prompt_ids_in_samples", False)
+    if type(in_samples) is not bool:
+        raise DecodeError(f"prompt_ids_in_samples is {_shown(in_samples)}, not true or false")
+    if in_samples:  # int32 from bytes: nothing to check
+        prompt.prompt_ids = prompt_ids.tolist()
+    return Group(
+        group_id=_field(fields, b"group_id", _utf8),
+        task=_field(fields, b"task", _utf8),
+        prompt=prompt,
+        samples=samples,
+        model_step=_field(fields, b"model_step", _model_step),
+        status=_field(fields, b"status", _status),
+        attempt=_field(fields, b"attempt", _attempt),
+        producer=_field(fields, b"producer", _utf8),
+        created_at=created_at,
+        timings=timings,
+    )
+
+
+def _samples(
+    items: list[Any], shared_prompt: bool, prompt_ids: IdArray, response_ids: IdArray, logprobs: FloatArray
+) -> tuple[list[Sample], list[list[list[int]]], dict[int, int]]:
+    """The samples, each checked, as views of the token arrays (a slice allocates nothing,
+    whatever its bounds), with their version runs still to be turned into arrays; and the
+    longest single run per step, what the version pool allocates. Every size and run is
+    checked against the entry's own token arrays first: a run claiming 1e11 tokens would
+    otherwise ask numpy for hundreds of GiB. ``type(x) is`` checks in one loop: this runs
+    for every group a trainer reads (bench/codec.py)."""
+    samples: list[Sample] = []
+    runs_of: list[list[list[int]]] = []
+    longest: dict[int, int] = {}
     r = lp = p = 0
-    for item in meta["samples"]:
+    for i, item in enumerate(items):
+        if type(item) is not dict:
+            raise DecodeError(f"sample {i} is {_shown(item)}, not an object")
         n, nlp = item["len"], item["lp"]
+        if type(n) is not int or n < 0:
+            raise DecodeError(f"sample {i} has len {_shown(n)}, not a token count")
+        if type(nlp) is not int or nlp < 0:
+            raise DecodeError(f"sample {i} has lp {_shown(nlp)}, not a token count")
+        if nlp and nlp != n:
+            raise DecodeError(f"sample {i} has {nlp} logprobs for {n} tokens")
         if shared_prompt:
             sample_prompt = prompt_ids
         else:
-            sample_prompt = prompt_ids[p : p + item["plen"]]
-            p += item["plen"]
-        versions = _unruns(item["ver"], pool)
-        if r + n > len(response_ids) or lp + nlp > len(logprobs) or len(versions) != n:
-            raise DecodeError("token arrays are shorter than the sample lengths say", fields)
-        if nlp not in (0, n):
-            raise DecodeError(f"a sample has {nlp} logprobs for {n} tokens", fields)
+            plen = item["plen"]
+            if type(plen) is not int or plen < 0:
+                raise DecodeError(f"sample {i} has plen {_shown(plen)}, not a token count")
+            sample_prompt = prompt_ids[p : p + plen]
+            p += plen
+        runs = item["ver"]
+        if type(runs) is not list:
+            raise DecodeError(f"sample {i} has version runs {_shown(runs)}, not [step, count] pairs")
+        counted = 0
+        try:
+            for value, count in runs:  # one or two runs, rarely more: never one per token
+                if type(count) is not int or count < 1:
+                    raise DecodeError(f"sample {i} has version runs {_shown(runs)}: a count below 1")
+                if type(value) is not int or not 0 <= value <= MAX_STEP:
+                    raise DecodeError(f"sample {i} has version {_shown(value)}, not a step in 0..{MAX_STEP}")
+                counted += count
+        except (TypeError, ValueError):  # not pairs: a run of another length, or no list at all
+            raise DecodeError(
+                f"sample {i} has version runs {_shown(runs)}, not [step, count] pairs"
+            ) from None
+        if counted != n:
+            raise DecodeError(f"sample {i} has version runs for {counted} tokens, not its {n}")
+        if len(runs) == 1 and longest.get(value, 0) < n:
+            longest[value] = n
+        reward = item["reward"]
+        if reward is None:
+            reward = {}
+        elif type(reward) is not dict:
+            raise DecodeError(f"sample {i} has reward {_shown(reward)}, not an object")
+        else:
+            # the trainer takes float(score): only the score must be a number, other entries
+            # are the judge's own (and may be text)
+            score = reward.get("score")
+            if score is not None and type(score) is not float and type(score) is not int:
+                raise DecodeError(f"sample {i} has reward score {_shown(score)}, not a number")
+        finish, status, text = item["finish"], item["status"], item["text"]
+        if finish is not None and type(finish) is not str:
+            raise DecodeError(f"sample {i} has finish {_shown(finish)}, not text")
+        if type(status) is not str or status not in _STATUS:
+            raise DecodeError(f"sample {i} has status {_shown(status)}, not one of {', '.join(_STATUS)}")
+        if type(text) is not str:
+            raise DecodeError(f"sample {i} has text {_shown(text)}, not text")
         samples.append(
             Sample.of_arrays(
                 sample_prompt,
                 response_ids[r : r + n],
                 logprobs[lp : lp + nlp],
-                versions,
-                finish_reason=item["finish"],
-                reward=item["reward"] if item["reward"] is not None else {},
-                status=_STATUS.get(item["status"]) or Status(item["status"]),
-                text=item["text"],
+                _EMPTY_IDS,
+                finish_reason=finish,
+                reward=reward,
+                status=_STATUS[status],
+                text=text,
             )
         )
+        runs_of.append(runs)
         r += n
         lp += nlp
-    if r != len(response_ids) or lp != len(logprobs) or (not shared_prompt and p != len(prompt_ids)):
-        raise DecodeError("token arrays are longer than the sample lengths say", fields)
-    return Group(
-        group_id=fields[b"group_id"].decode(),
-        task=fields[b"task"].decode(),
-        prompt=prompt_from_dict(meta["prompt"]),
-        samples=samples,
-        model_step=int(fields[b"model_step"]),
-        status=Status(fields[b"status"].decode()),
-        attempt=int(fields[b"attempt"]),
-        producer=fields[b"producer"].decode(),
-        created_at=meta["created_at"],
-        timings=meta["timings"],
-    )
+    for name, have, want in (
+        ("response_ids", len(response_ids), r),
+        ("logprobs", len(logprobs), lp),
+        ("prompt_ids", len(prompt_ids), len(prompt_ids) if shared_prompt else p),
+    ):
+        if have != want:
+            which = "shorter" if have < want else "longer"
+            raise DecodeError(
+                f"token arrays are {which} than the sample lengths say: {name} holds {have}, not {want}"
+            )
+    return samples, runs_of, longest
+
+
+def _field(fields: RawFields, name: bytes, parse: Callable[[Any], T]) -> T:
+    """One field parsed, its name in the reason when it does not parse (a missing one is
+    a KeyError: "missing field")."""
+    value = fields[name]
+    try:
+        return parse(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise DecodeError(f"{name.decode()}: {_reason(exc)}") from None
+
+
+def _ids(value: bytes) -> IdArray:
+    return np.frombuffer(value, dtype=ID_DTYPE)
+
+
+def _logprobs(value: bytes) -> FloatArray:
+    return np.frombuffer(value, dtype=LOGPROB_DTYPE)
+
+
+def _utf8(value: bytes) -> str:
+    return value.decode()
+
+
+def _status(value: bytes) -> Status:
+    return Status(value.decode())
+
+
+def _model_step(value: bytes) -> int:
+    step = int(value)
+    # -1: a group without a response token (an aborted one, say) has no step yet
+    if not -1 <= step <= MAX_STEP:
+        raise DecodeError(f"model_step {step} is outside -1..{MAX_STEP}")
+    return step
+
+
+def _attempt(value: bytes) -> int:
+    attempt = int(value)
+    if not 0 <= attempt <= _INT64_MAX:
+        raise DecodeError(f"attempt {attempt} is outside 0..{_INT64_MAX}")
+    return attempt
 
 
 def is_group_entry(fields: RawFields) -> bool:
     return b"group_id" in fields
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    """A value in a reason, cut short: the entry's fields go to the dead letter in full."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _reason(exc: BaseException) -> str:

@@ -24,6 +24,13 @@ PromptText: TypeAlias = str | list[dict[str, Any]]
 ID_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 
+# Every step shares one bound, the version dtype's: a model step is stamped on each response
+# token as an int32 version (ID_DTYPE), and a train step becomes the model step of the
+# weights it produced. A step past it fits int64 but would overflow the first version array
+# made from it, in a producer or trainer, long after it was read.
+MAX_STEP = int(np.iinfo(ID_DTYPE).max)
+ID_MIN, ID_MAX = int(np.iinfo(ID_DTYPE).min), int(np.iinfo(ID_DTYPE).max)
+
 
 class Status(StrEnum):
     COMPLETED = "completed"  # finished and judged -> groups stream
