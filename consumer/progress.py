@@ -16,6 +16,7 @@ import redis
 from shared.allocation import allocate_batch_sizes
 from shared.keys import MODEL_STEP, TRAIN_STEP, Keys, progress_field
 from shared.settings import Settings
+from shared.streams import stored_float, stored_int, stored_step
 
 COUNTERS = (
     "fed", "completed", "consumed", "filtered", "aborted", "expired", "expired_dropped", "dead",
@@ -33,18 +34,25 @@ class ProduceProgress:
         )
 
     def counts(self, task: str) -> dict[str, float]:
-        values: list[Any] = self.client.hmget(self.keys.progress, [progress_field(task, c) for c in COUNTERS])
+        """The task's counters; CorruptValueError names one that holds something else."""
+        names = [progress_field(task, c) for c in COUNTERS]
+        values: list[Any] = self.client.hmget(self.keys.progress, names)
+        key = self.keys.progress
         return {
-            c: float(v or 0) if c == "reward_sum" else int(v or 0)
-            for c, v in zip(COUNTERS, values, strict=True)
+            c: stored_float(v, key, name) if c == "reward_sum" else stored_int(v, key, name, "a count")
+            for c, name, v in zip(COUNTERS, names, values, strict=True)
         }
 
+    def _steps(self) -> tuple[int, int]:
+        train, model = self.client.hmget(self.keys.state, [TRAIN_STEP, MODEL_STEP])
+        key = self.keys.state
+        return stored_step(train, key, TRAIN_STEP), stored_step(model, key, MODEL_STEP)
+
     def state_dict(self) -> dict[str, Any]:
-        state = self.client.hmget(self.keys.state, [TRAIN_STEP, MODEL_STEP])
-        train_step = int(state[0] or 0)
+        train_step, model_step = self._steps()
         return {
             "next_consumer_step": train_step + 1,
-            "model_step": int(state[1] or 0),
+            "model_step": model_step,
             "tasks": {
                 task: {**self.counts(task), "target": train_step * self.quota[task]} for task in self.tasks
             },
@@ -58,7 +66,7 @@ class ProduceProgress:
                 saved = counts.get(counter, 0)
                 if saved > now[counter]:
                     self.client.hset(self.keys.progress, progress_field(task, counter), saved)
-        current = self.client.hmget(self.keys.state, [TRAIN_STEP, MODEL_STEP])
-        train_step = max(int(current[0] or 0), int(state["next_consumer_step"]) - 1)
-        model_step = max(int(current[1] or 0), int(state.get("model_step", 0)))
+        current_train, current_model = self._steps()
+        train_step = max(current_train, int(state["next_consumer_step"]) - 1)
+        model_step = max(current_model, int(state.get("model_step", 0)))
         self.client.hset(self.keys.state, mapping={TRAIN_STEP: train_step, MODEL_STEP: model_step})

@@ -30,7 +30,7 @@ from shared.keys import EVALS, GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, f
 from shared.records import Group, Prompt, Sample, Status
 from shared.scripts import Scripts
 from shared.settings import Settings
-from shared.streams import ConsumerStreams, Entry, Settle, pairs, text
+from shared.streams import ConsumerStreams, Entry, Settle, pairs, stored_int, text
 
 FEED_CHUNK = 500
 RECOVERED = "done"
@@ -251,10 +251,11 @@ class ReplayBuffer:
 
     def accepted(self, task: str) -> int:
         """Groups of the task that can still be trained on: completed, less expired ones."""
-        counts = self.client.hmget(
-            self.keys.progress, [progress_field(task, c) for c in ("completed", "expired", "expired_dropped")]
+        names = [progress_field(task, c) for c in ("completed", "expired", "expired_dropped")]
+        counts = self.client.hmget(self.keys.progress, names)
+        completed, expired, dropped = (
+            stored_int(c, self.keys.progress, name, "a count") for c, name in zip(counts, names, strict=True)
         )
-        completed, expired, dropped = (int(c or 0) for c in counts)
         return completed - expired - dropped
 
     def running(self, task: str) -> int:
@@ -269,16 +270,22 @@ class ReplayBuffer:
         return self.accepted(task) + self.running(task)
 
     def _claims(self, entries: list[Entry]) -> list[Claim]:
+        """Claims of the entries read; an entry that does not decode is dead-lettered at
+        once (a second delivery would fail the same way) and the others are claimed."""
         out = []
         for entry in entries:
             try:
                 if codec.is_group_entry(entry.fields):
                     previous = codec.decode_group(entry.fields)
-                    out.append(Claim(entry, previous.prompt, previous))
+                    claim = Claim(entry, previous.prompt, previous)
                 else:
-                    out.append(Claim(entry, codec.decode_prompt(entry.fields)))
-            except DecodeError as exc:
+                    claim = Claim(entry, codec.decode_prompt(entry.fields))
+                if entry.kind == EVALS:
+                    eval_batch(claim.prompt)  # needed only to settle it: fail now, not after generating
+            except (DecodeError, ReplayBufferError) as exc:
                 self.dead_letter(entry, str(exc))
+            else:
+                out.append(claim)
         return out
 
     def complete(self, claim: Claim, group: Group) -> str | None:

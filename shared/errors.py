@@ -9,6 +9,7 @@ RollstreamError
 ├── InputError             bad user input
 │   └── PromptFileError    a malformed prompt line: file, line and field
 ├── DecodeError            a stream entry that cannot be decoded into a record
+├── CorruptValueError      a state or progress hash field holding what rollstream never writes there
 ├── WaitTimeout            what a process waited for did not come in time
 ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
 └── ReplayBufferError      a replay-buffer operation that cannot proceed
@@ -72,6 +73,18 @@ class DecodeError(RollstreamError):
     def __init__(self, what: str, fields: object = None) -> None:
         super().__init__(what)
         self.fields = fields
+
+
+class CorruptValueError(RollstreamError):
+    """A field of the run's state or progress hash whose value is not what rollstream writes
+    there (a step that is not a step number, a counter that is not a count); the message
+    names the key, the field and the value."""
+
+    def __init__(self, key: str, field: str, value: str, expected: str) -> None:
+        super().__init__(f"{key} field {field} is {value!r}, not {expected}")
+        self.key = key
+        self.field = field
+        self.value = value
 
 
 class FeederError(RollstreamError):

@@ -24,8 +24,10 @@ from typing import Any
 import orjson
 import redis
 
+from shared.errors import CorruptValueError
 from shared.keys import MODEL_STEP, PAUSED, RAY_ADDRESS, TRAIN_STEP, Keys
-from shared.streams import text
+from shared.records import MAX_STEP
+from shared.streams import stored_float, stored_int, stored_step, text
 
 EVENTS_CAP = 10_000
 WEIGHT_SYNC = "weight_sync"
@@ -66,14 +68,15 @@ class RunControl:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client = client
         self.keys = keys
+        self._skip_to: dict[str, str] = {}  # events(): a cursor -> the malformed events after it
 
     def model_step(self) -> int:
-        value = self.client.hget(self.keys.state, MODEL_STEP)
-        return 0 if value is None else int(value)
+        """The run's model step; CorruptValueError if the state holds something else there."""
+        return stored_step(self.client.hget(self.keys.state, MODEL_STEP), self.keys.state, MODEL_STEP)
 
     def train_step(self) -> int:
-        value = self.client.hget(self.keys.state, TRAIN_STEP)
-        return 0 if value is None else int(value)
+        """The last committed train step; CorruptValueError if the state holds something else."""
+        return stored_step(self.client.hget(self.keys.state, TRAIN_STEP), self.keys.state, TRAIN_STEP)
 
     def advance_train_step(self, step: int) -> None:
         """Record ``step`` as committed unless a later one already is."""
@@ -121,20 +124,47 @@ class RunControl:
         return text(last[0][0]) if last else "0-0"
 
     def events(self, after: str, block_ms: int = 0, count: int = 100) -> list[Event]:
-        reply: Any = self.client.xread({self.keys.events: after}, count=count, block=block_ms or None)
-        out = []
+        """The events after ``after``. A malformed one is skipped with one warning naming
+        its id and field: the stream has no consumer group to dead-letter it from, and
+        one bad event must neither stop a follower nor stall it."""
+        start = self._skip_to.get(after, after)
+        reply: Any = self.client.xread({self.keys.events: start}, count=count, block=block_ms or None)
+        out, last = [], start
         for _, items in reply or []:
             for entry_id, fields in items:
-                out.append(
-                    Event(
-                        id=text(entry_id),
-                        type=text(fields.get(b"type", b"")),
-                        model_step=int(fields.get(b"model_step", -1)),
-                        uri=text(fields.get(b"uri", b"")),
-                        ts=float(fields.get(b"ts", 0)),
-                    )
-                )
+                last = text(entry_id)
+                event = self._event(last, fields)
+                if event is not None:
+                    out.append(event)
+        if last != (out[-1].id if out else start):
+            # Malformed events came last: the caller's cursor stops before them, so remember
+            # where to go on from, or each call would read them (and warn) again.
+            self._skip_to[out[-1].id if out else after] = last
+            if len(self._skip_to) > 64:
+                self._skip_to.pop(next(iter(self._skip_to)), None)
         return out
+
+    def _event(self, entry_id: str, fields: dict[bytes, Any]) -> Event | None:
+        key = self.keys.events
+        try:
+            texts = []
+            for name in ("type", "uri"):
+                value = fields.get(name.encode(), b"")
+                try:
+                    texts.append(text(value))
+                except UnicodeDecodeError:
+                    raise CorruptValueError(key, name, repr(value), "text") from None
+            type_, uri = texts
+            # -1: an event that is not a weight sync. Steps are bounded as in the state hash.
+            step = fields.get(b"model_step", b"-1")
+            model_step = stored_int(step, key, "model_step", "a step number", -1, MAX_STEP)
+            if type_ == WEIGHT_SYNC and model_step < 0:
+                raise CorruptValueError(key, "model_step", text(step), "the step a weight sync moves to")
+            ts = stored_float(fields.get(b"ts"), key, "ts", "a time")
+        except CorruptValueError as exc:
+            log.warning("skipping malformed event %s: %s", entry_id, exc)
+            return None
+        return Event(id=entry_id, type=type_, model_step=model_step, uri=uri, ts=ts)
 
     def heartbeat(self, producer: str, model_step: int, inflight: int) -> None:
         beat = {"model_step": model_step, "inflight": inflight, "ts": time.time()}

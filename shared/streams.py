@@ -26,6 +26,8 @@ against each other.
 
 from __future__ import annotations
 
+import math
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,14 +36,50 @@ from typing import Any
 import redis
 
 from shared import codec
-from shared.errors import ReplayBufferError
+from shared.errors import CorruptValueError, ReplayBufferError
 from shared.keys import GROUP_OF_KIND, Keys
+from shared.records import MAX_STEP
 from shared.resp import CommandWriter
 from shared.scripts import SETTLE_GATE
 
 
 def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+INT64_MAX = 2**63 - 1
+_INTEGER = re.compile(r"-?[0-9]{1,19}")  # what Redis writes for an integer: no "+", "_" or spaces
+
+
+def stored_int(value: Any, key: str, field: str, expected: str, low: int = 0, high: int = INT64_MAX) -> int:
+    """An integer field read from Redis (an HGET, a stream entry's field), 0 when absent;
+    anything else raises CorruptValueError naming the key, the field and the value, where
+    int() would raise a bare ValueError far from what holds it."""
+    if value is None:
+        return 0
+    shown = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    if _INTEGER.fullmatch(shown) and low <= (number := int(shown)) <= high:
+        return number
+    raise CorruptValueError(key, field, shown, expected)
+
+
+def stored_step(value: Any, key: str, field: str) -> int:
+    """A train or model step (0 when absent): 0 ... MAX_STEP (see shared/records.py)."""
+    return stored_int(value, key, field, "a step number", 0, MAX_STEP)
+
+
+def stored_float(value: Any, key: str, field: str, expected: str = "a number") -> float:
+    """A finite float field read from Redis (HINCRBYFLOAT writes them), 0.0 when absent."""
+    if value is None:
+        return 0.0
+    shown = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    try:
+        number = float(shown)
+    except ValueError:
+        number = math.nan
+    if math.isfinite(number):
+        return number
+    raise CorruptValueError(key, field, shown, expected)
 
 
 def pairs(flat: list[Any]) -> dict[bytes, bytes]:
