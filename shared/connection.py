@@ -114,7 +114,7 @@ def check_server(client: redis.Redis, url: str) -> str:
     shown = redact_url(url)
     try:
         client.ping()
-        version = str(client.info("server")["redis_version"])
+        version = _server_version(client)
     except redis.AuthenticationError as exc:
         raise RedisUnavailable(shown, f"authentication failed ({exc})", retryable=False) from None
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
@@ -130,6 +130,18 @@ def check_server(client: redis.Redis, url: str) -> str:
             f"{'.'.join(map(str, MIN_VERSION))} (XAUTOCLAIM)"
         )
     return version
+
+
+def _server_version(client: redis.Redis) -> str:
+    """INFO's redis_version, or HELLO's for a least-privilege ACL user without INFO."""
+    try:
+        return str(client.info("server")["redis_version"])
+    except redis.exceptions.NoPermissionError:
+        hello: Any = client.execute_command("HELLO")  # type: ignore[no-untyped-call]
+        version = hello.get(b"version", hello.get("version")) if isinstance(hello, dict) else None
+        if version is None:
+            raise
+        return version.decode() if isinstance(version, bytes) else str(version)
 
 
 def wait_for_redis(
