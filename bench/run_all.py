@@ -28,6 +28,7 @@ BENCHES: dict[str, list[str]] = {
     "pipeline": [],
     "weight_sync": [],
     "scale": [],
+    "durability": [],
 }
 
 
@@ -120,6 +121,11 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             "groups_per_s": scale["groups_per_s"],
             "speedup_over_1": scale["speedup_over_1"],
         }
+    if durability := read_json(RESULTS / "durability.json"):
+        out["durability"] = {
+            "ratio_always_vs_everysec": durability["ratio_always_vs_everysec"],
+            "groups_per_s": {k: v["median"] for k, v in durability["groups_per_s"].items()},
+        }
     return out
 
 
@@ -202,6 +208,15 @@ def summary_table(r: dict[str, Any]) -> str:
             "scale.groups_per_s",
             " / ".join(f"{v:,.0f}" for v in s["groups_per_s"].values()),
             f"{' / '.join(s['groups_per_s'])} producer processes",
+            "-",
+            None,
+        )
+    if d := r.get("durability"):
+        add(
+            "durability.always_vs_everysec",
+            show(d["ratio_always_vs_everysec"]),
+            " / ".join(f"{d['groups_per_s'][m]:,.0f}" for m in ("always", "everysec"))
+            + " groups/s, appendfsync always / everysec",
             "-",
             None,
         )

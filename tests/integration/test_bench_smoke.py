@@ -40,9 +40,14 @@ def test_buffer_pipeline_and_summary_at_smoke_size(tmp_path: Path) -> None:
     assert sum(run["staleness"].values()) == run["groups"]
     assert max(int(k) for k in run["staleness"]) < pipeline["runs"][0]["staleness_bound"]
 
-    skip_all = ["--skip", "buffer", "ray_queue", "pipeline", "weight_sync", "scale"]
+    bench(tmp_path, "bench/durability.py", "--quick")  # both servers carried every group through
+    durability = json.loads((tmp_path / "durability.json").read_text())
+    assert durability["ratio_always_vs_everysec"]["n"] == 1
+
+    skip_all = ["--skip", "buffer", "ray_queue", "pipeline", "weight_sync", "scale", "durability"]
     table = bench(tmp_path, "bench/run_all.py", *skip_all)  # gathers and prints what is there
     assert "buffer.ratio_vs_raw" in table and "pipeline.staleness_violations" in table
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert latest["pipeline"]["staleness_violations"] == 0
     assert latest["buffer"]["ratio_vs_raw"] == buffer["ratio_vs_raw"]
+    assert "durability.always_vs_everysec" in table

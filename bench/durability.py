@@ -1,0 +1,130 @@
+"""What durable commits cost: the same produce-and-train cycle on a redis-server with
+its append-only file fsynced every second (deploy/redis.conf) and on every write
+(appendfsync always), measured side by side, interleaved, in one run.
+
+With everysec a crash of redis-server (kill -9, a lost machine) may take the last
+second of writes with it: a trainer commit in that second comes back as pending
+groups. With always, nothing acknowledged is lost. The ratio always / everysec is
+what that costs in groups per second on this machine's disk.
+
+    python bench/durability.py [--groups 600] [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from common import RESULTS, show, spread, write_json
+
+from shared.buffer import ReplayBuffer
+from shared.embedded import find_redis_server, free_port
+from shared.records import Group, Prompt, Sample
+from shared.settings import load_settings
+
+MODES = ("everysec", "always")
+
+
+class Server:
+    def __init__(self, fsync: str, folder: Path) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", fsync, "--dir", str(folder)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def prompts(count: int) -> list[Prompt]:
+    return [Prompt(uid=f"u{i}", task="math", prompt=f"What is {i} + 1?") for i in range(count)]
+
+
+def group_for(prompt: Prompt, n: int, tokens: int) -> Group:
+    samples = [
+        Sample(
+            prompt_ids=list(range(64)),
+            response_ids=list(range(tokens)),
+            logprobs=[-0.5] * tokens,
+            response_versions=[0] * tokens,
+            finish_reason="stop",
+            reward={"score": float(i % 2)},
+        )
+        for i in range(n)
+    ]
+    return Group.for_prompt(prompt, samples=samples)
+
+
+def cycle(url: str, run: str, groups: int, tokens: int) -> float:
+    """Groups per second through feed -> claim -> complete -> read -> commit."""
+    settings = load_settings(run=run, redis={"url": url}, tasks=[{"name": "math", "n": 8}])
+    client = redis.Redis.from_url(url)
+    producer = ReplayBuffer(client, settings, "producer")
+    trainer = ReplayBuffer(client, settings, "trainer")
+    producer.feed(prompts(groups))
+    started = time.perf_counter()
+    done = 0
+    while done < groups:
+        for claim in producer.claim("math", 16):
+            producer.complete(claim, group_for(claim.prompt, n=8, tokens=tokens))
+        batch = trainer.read_batch("math", 16)
+        trainer.commit(batch)
+        done += len(batch.items)
+    return groups / (time.perf_counter() - started)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--groups", type=int, default=600)
+    parser.add_argument("--tokens", type=int, default=512, help="response tokens per sample")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    groups, repeats = (100, 1) if args.quick else (args.groups, args.repeats)
+    rates: dict[str, list[float]] = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in MODES:
+            (Path(tmp) / mode).mkdir()
+        servers = {m: Server(m, Path(tmp) / m) for m in MODES}
+        try:
+            for r in range(repeats):  # interleaved: both modes see the same machine state
+                for mode in MODES if r % 2 == 0 else reversed(MODES):
+                    rates[mode].append(cycle(servers[mode].url, f"d{r}{mode}", groups, args.tokens))
+        finally:
+            for server in servers.values():
+                server.stop()
+    ratios = [a / e for a, e in zip(rates["always"], rates["everysec"], strict=True)]
+    result: dict[str, Any] = {
+        "groups_per_s": {m: spread(v) for m, v in rates.items()},
+        "ratio_always_vs_everysec": spread(ratios),
+        "groups": groups,
+        "tokens_per_sample": args.tokens,
+    }
+    print(f"everysec: {show(result['groups_per_s']['everysec'], '.0f')} groups/s")
+    print(f"always:   {show(result['groups_per_s']['always'], '.0f')} groups/s")
+    print(f"always / everysec: {show(result['ratio_always_vs_everysec'])}")
+    write_json(result, RESULTS / "durability.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
