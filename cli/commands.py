@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
 from tqdm import tqdm
 
 from cli.process import Process, running, start_line, stop_on_signals, wait_until_gone
@@ -313,7 +314,7 @@ def produce(
     has no work it may take)."""
     import asyncio
 
-    from producer.pool import BasePool, EnginePool, LocalPool, init_ray
+    from producer.pool import BasePool, EnginePool, LocalPool, PoolError, init_ray
     from producer.worker import Producer
 
     with running(settings, "producer", stop, heartbeat=False, follow=False, mode=settings.rollout.mode,
@@ -347,12 +348,40 @@ def produce(
                 f"producer {producer.name} stopped: {outcomes}; {stats.weight_syncs} weight syncs", flush=True
             )
 
+        moved = threading.Event()
+        if not local_engines and not (address or settings.ray.address):
+            threading.Thread(
+                target=_watch_ray_address, args=(process, ray_address, stop, moved), daemon=True
+            ).start()
         asyncio.run(main())
         if not local_engines:
             import ray
 
             ray.shutdown()  # while the engines' cluster still runs: it waits for producers
+        if moved.is_set():
+            raise PoolError(
+                f"the run's engines moved to another Ray cluster ({process.control.ray_address()}); "
+                "this producer stopped so that its restart attaches there"
+            )
     return 0
+
+
+def _watch_ray_address(
+    process: Process, attached: str, stop: threading.Event, moved: threading.Event
+) -> None:
+    """An engines process that restarted runs a new Ray cluster: a producer attached to the
+    old one cannot reach the engines, so it stops (with an error, for its supervisor to
+    restart it) instead of failing every group."""
+    while not stop.wait(2.0):
+        try:
+            now = process.control.ray_address()
+        except redis.RedisError:
+            continue
+        if now and now != attached:
+            log.error("the run's Ray cluster changed from %s to %s: stopping", attached, now)
+            moved.set()
+            stop.set()
+            return
 
 
 def _hand_to_loop(stop: threading.Event, loop: Any, done: Any) -> None:
