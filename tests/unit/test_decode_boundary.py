@@ -313,9 +313,11 @@ def set_path(meta: Any, path: tuple[Any, ...], value: Any) -> None:
 
 def usable(group: Group) -> None:
     """What the producer and the trainer do with a decoded group, without crashing."""
-    assert isinstance(group.model_step, int)
+    assert isinstance(group.model_step, int) and -1 <= group.model_step <= MAX_STEP
+    assert isinstance(group.attempt, int) and group.attempt >= 0
     for s in group.samples:
         assert len(s.response_versions) == len(s.response_ids)
+        assert not len(s.response_versions) or int(s.response_versions.min()) >= 0
         assert len(s.logprobs) in (0, len(s.response_ids))
         assert s.response_versions.dtype == np.int32
         assert isinstance(s.score, float | None)
