@@ -140,7 +140,7 @@ def decode_prompt(fields: RawFields) -> Prompt:
         return prompt_from_dict(orjson.loads(fields[b"data"]))
     except DecodeError as exc:
         raise DecodeError(f"undecodable prompt entry: {exc}", fields) from None
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise DecodeError(f"undecodable prompt entry: {_reason(exc)}", fields) from None
 
 
