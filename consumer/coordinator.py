@@ -42,7 +42,7 @@ import redis
 from consumer.metrics import eval_metrics
 from shared import codec
 from shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer, default_consumer_name
-from shared.errors import BatchTimeout, ReplayBufferError
+from shared.errors import BatchTimeout, DecodeError, ReplayBufferError
 from shared.keys import EVALS, progress_field
 from shared.records import Group, Prompt, Status
 from shared.settings import Settings, validate_name
@@ -265,10 +265,24 @@ class BatchCoordinator:
         if not self._renew_script(keys=[key], args=[owner, self._lease_ms]):
             raise _LeaseLost(owner)
 
+    def _eval_results(self, batch_id: str) -> list[Group]:
+        """The eval batch's results; one that does not decode goes to the dead letters
+        (its stream has no consumer group: it is deleted from there) and is not counted."""
+        stream = self.keys.eval(batch_id)
+        out = []
+        for entry_id, fields in self.client.xrange(stream):
+            try:
+                out.append(codec.decode_group(fields))
+            except DecodeError as exc:
+                self.client.xadd(self.keys.dead, {**fields, "reason": str(exc), "source": stream})
+                self.client.xdel(stream, entry_id)
+                log.warning("eval result %s of batch %s dead-lettered: %s", entry_id, batch_id, exc)
+        return out
+
     def _collect(self, batch_id: str, kind: str) -> list[Group]:
         """Every result of the batch so far."""
         if kind == "eval":
-            return [codec.decode_group(fields) for _, fields in self.client.xrange(self.keys.eval(batch_id))]
+            return self._eval_results(batch_id)
         for task in (t.name for t in self.settings.tasks):
             batch = self.buffer.read_batch(task, self.settings.buffer.read_count)
             for item in batch.items:

@@ -20,8 +20,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -33,7 +34,7 @@ from producer.pool import BasePool
 from producer.tokenizer import make_tokenizer
 from shared.allocation import allocate_batch_sizes, over_sample_budget
 from shared.buffer import Claim, ReplayBuffer, default_consumer_name
-from shared.errors import RollstreamError
+from shared.errors import RollstreamError, SettingsError
 from shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
 from shared.liveness import Liveness
 from shared.settings import Settings
@@ -66,11 +67,28 @@ class BackgroundTaskFailed(RollstreamError):
     rather than go on without weight syncs or liveness."""
 
 
+def _why(exc: BaseException | None) -> str:
+    """The exception's type and message: redis-py 8's repr of a server error hides the message."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+T = TypeVar("T")
+
+
+def _plugin(load: Callable[[str], T], spec: str, setting: str) -> T:
+    """A plug-in named by a setting; a bad name says which setting named it."""
+    try:
+        return load(spec)
+    except SettingsError as exc:
+        variable = f"ROLLSTREAM_PRODUCER__{setting.upper()}"
+        raise SettingsError(f"invalid setting producer.{setting} ({variable}): {exc}") from None
+
+
 def _raise_if_failed(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         if task.done() and not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            raise BackgroundTaskFailed(f"the producer's {task.get_name()} task failed: {exc!r}") from exc
+            raise BackgroundTaskFailed(f"the producer's {task.get_name()} task failed: {_why(exc)}") from exc
 
 
 class Producer:
@@ -94,13 +112,13 @@ class Producer:
             self.buffer,
             pool,
             make_tokenizer(settings.engines),
-            load_judge(p.judge),
-            load_filter(p.is_valid),
+            _plugin(load_judge, p.judge, "judge"),
+            _plugin(load_filter, p.is_valid, "is_valid"),
             rq_judge if p.judge_on_queue else None,
         )
         weights = {t.name: t.weight for t in settings.tasks}
         self.batch = allocate_batch_sizes(settings.rollout.batch_size, weights)
-        self._should_continue = load_should_continue(p.should_continue)
+        self._should_continue = _plugin(load_should_continue, p.should_continue, "should_continue")
         self.model_step = 0
         self.stats = ProducerStats()
         self.inflight: dict[asyncio.Task[str], Claim] = {}
@@ -230,7 +248,7 @@ class Producer:
                 claim = self.inflight.pop(task)
                 if task.exception() is not None:
                     # unsettled: the claim stays pending and is reclaimed, counted as a delivery
-                    log.error("group %s failed: %r", claim.group_id, task.exception())
+                    log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
                     self.stats.count("error")
                 else:
                     self.stats.count(task.result())
@@ -367,6 +385,6 @@ class Producer:
             if not task.cancelled() and task.exception() is None:
                 self.stats.count(task.result())
             elif not task.cancelled():
-                log.error("group %s failed: %r", claim.group_id, task.exception())
+                log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
             self.inflight.pop(task)
         self.control.forget(self.name)  # the liveness key is its owner's to clear

@@ -182,13 +182,22 @@ class RunControl:
             key = text(name)
             if not key.startswith(PRODUCER_PREFIX):
                 continue
-            beat = orjson.loads(raw)
-            if now - beat["ts"] > max_age_s:
+            try:
+                beat = orjson.loads(raw)
+                heartbeat = Heartbeat(
+                    key[len(PRODUCER_PREFIX) :],
+                    int(beat["model_step"]),
+                    int(beat["inflight"]),
+                    float(beat["ts"]),
+                )
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                log.warning("removing an unreadable heartbeat %s of %s: %r", key, self.keys.state, raw[:100])
+                dead.append(key)
+                continue
+            if now - heartbeat.ts > max_age_s:
                 dead.append(key)
             else:
-                live.append(
-                    Heartbeat(key[len(PRODUCER_PREFIX) :], beat["model_step"], beat["inflight"], beat["ts"])
-                )
+                live.append(heartbeat)
         if dead:
             self.client.hdel(self.keys.state, *dead)
         return sorted(live, key=lambda b: b.producer)

@@ -65,8 +65,22 @@ class RunStatus:
         return asdict(self)
 
 
+def _count(value: bytes | str) -> int:
+    """A progress counter; status shows -1 for one that is not a number (it reports, it
+    does not refuse: `rollstream status` is what an operator looks at first)."""
+    try:
+        return int(float(value))
+    except ValueError:
+        return -1
+
+
 def _int(value: Any) -> int | None:
-    return None if value is None else int(value)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return -1  # corrupt: the processes that need it say so, naming the key
 
 
 def stream_keys(client: redis.Redis, keys: Keys) -> list[tuple[str, str, str]]:
@@ -90,7 +104,7 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
         paused=state.get(PAUSED.encode()) == b"1",
         dead_letters=int(client.xlen(keys.dead)),
         events=int(client.xlen(keys.events)),
-        progress={text(k): int(float(v)) for k, v in sorted(progress.items())},
+        progress={text(k): _count(v) for k, v in sorted(progress.items())},
         processes=live_processes(client, keys),
     )
     for key, kind, task in stream_keys(client, keys):
