@@ -288,9 +288,9 @@ def engines(
             stop.wait()
             _wait_for_producers_to_leave(process)
         finally:
-            beat.stop()
             killed = EnginePool.stop(settings)
-            process.control.clear_ray_address(gcs)
+            with contextlib.suppress(redis.RedisError):
+                process.control.clear_ray_address(gcs)
             log.info("engines: removed %d engine actors of run %r", killed, settings.run)
             # now, not at exit: this process's Ray cluster goes with it. Ray's own signal
             # handlers would turn a SIGTERM meanwhile (the process manager stopping the
@@ -298,6 +298,8 @@ def engines(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             ray.shutdown()
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            # last: the others of a stopping run wait for this key to go before they exit
+            beat.stop()
     return 0
 
 

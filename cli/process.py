@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from shared.buffer import default_consumer_name
-from shared.connection import wait_for_redis
+from shared.connection import STOPPING, wait_for_redis
 from shared.errors import RollstreamError
 from shared.events import STOP, Event, EventFollower, RunControl
 from shared.keys import ROLES, Keys
@@ -68,6 +68,7 @@ def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
     def handler(signum: int, frame: object) -> None:
         if not stop.is_set():
             log.info("%s received: stopping", signal.Signals(signum).name)
+        STOPPING.set()  # a process manager stops Redis too: outages are not ridden out now
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)
@@ -156,6 +157,7 @@ def running(
     try:
         yield process
     finally:
+        STOPPING.set()
         if follower is not None:
             follower.stop()
         if beat is not None:

@@ -27,6 +27,10 @@ from shared.settings import RedisSettings, redact_url
 from shared.waiting import NotYet, wait_until
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM and XPENDING ... IDLE
+# Once a process is stopping, an outage is not ridden out for minutes: the process
+# manager may have stopped Redis with everything else.
+STOPPING = threading.Event()
+STOPPING_LIMIT_S = 2.0
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,9 @@ class OutageRetry(Retry):
                         "Redis at %s does not answer (%s): retrying for up to %.0f s",
                         self.shown_url, error, self.limit_s,
                     )  # fmt: skip
-                elif now - started >= self.limit_s:
+                elif now - started >= (
+                    min(self.limit_s, STOPPING_LIMIT_S) if STOPPING.is_set() else self.limit_s
+                ):
                     log.error("Redis at %s gone for %.1f s: giving up", self.shown_url, now - started)
                     raise
                 time.sleep(self._backoff.compute(failures))
