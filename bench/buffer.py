@@ -113,6 +113,8 @@ def run_once(
     prepare(client, settings, way, n)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(3)  # producer, consumer, this process
+    # The one pickle in the project: a benchmark's own processes hand their timings back
+    # through a multiprocessing queue. Nothing that rollstream runs or stores is pickled.
     results = ctx.Queue()
     children = [
         ctx.Process(

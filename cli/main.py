@@ -279,6 +279,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WaitTimeout as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_WAIT
+    except redis.ResponseError as exc:
+        # e.g. WRONGTYPE: a key of the run that something else wrote with another type
+        print(f"rollstream: Redis refused a command: {exc}", file=sys.stderr)
+        return RET_ERROR
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # an outage longer than redis.outage_limit_s (the client retried until then)
         print(f"rollstream: Redis gone for longer than redis.outage_limit_s: {exc}", file=sys.stderr)

@@ -3,6 +3,11 @@ heartbeat in the state hash, a progress counter that status shows, an eval resul
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import redis
 
@@ -52,3 +57,28 @@ def test_an_undecodable_eval_result_is_dead_lettered_and_the_rest_kept(
     ((_, dead),) = client.xrange(keys.dead)
     assert dead[b"group_id"] == b"math:u9" and b"undecodable" in dead[b"reason"]
     assert client.xlen(keys.eval("b1")) == 1
+
+
+def test_a_key_of_the_wrong_type_is_one_line_not_a_traceback(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(Keys(run_name).fed("math"), "not a set")  # written by hand with redis-cli
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"uid": "a", "prompt": "What is 1 + 1?"}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    env.update(
+        ROLLSTREAM_REDIS__URL=redis_server.url,
+        ROLLSTREAM_RUN=run_name,
+        ROLLSTREAM_TASKS='[{"name": "math", "n": 2}]',
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "feed", str(path), "--task", "math"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "Redis refused a command" in done.stderr and "WRONGTYPE" in done.stderr
+    assert "Traceback" not in done.stderr
