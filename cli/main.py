@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from shared.errors import (
     SettingsError,
     WaitTimeout,
 )
+from shared.keys import Keys
 from shared.logs import setup_logging
 from shared.settings import Settings, load_settings
 
@@ -39,6 +41,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     # Flags win over the environment and the file, field by field (sources merge deeply),
     # and a bad value in the environment that a flag replaces is never looked at.
     settings = load_settings(**overrides)
+    # before anything imports rq, which reads it once: the judge queue is the run's own
+    os.environ["RQ_KEY_PREFIX"] = Keys(settings.run).rq_prefix
     level = logging.getLevelName(settings.log.level) - 10 * (args.verbose - args.quiet)
     setup_logging(min(max(level, logging.DEBUG), logging.CRITICAL), settings.log.format)
     return settings

@@ -16,6 +16,7 @@ several of them.
     rs:{run}:state            hash    model_step, train_step, feeder cursors, settings,
                                       ray_address, paused
     rs:{run}:alive:{role}:{name}  string  a process's heartbeat JSON; expires by itself
+    rs:{run}:rq:*             rq's keys: the judge queue, its jobs, registries and workers
     rs:{run}:progress         hash    cumulative counts per task
     rs:{run}:metrics          stream  per-step metrics, capped
     rs:{run}:fed:{task}       set     uids fed by one-shot feeds (idempotence)
@@ -138,6 +139,12 @@ class Keys:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
         return f"{self.base}:alive:{role}:{name}"
+
+    @property
+    def rq_prefix(self) -> str:
+        """rq's key prefix for this run (rq reads RQ_KEY_PREFIX when it is imported): the
+        judge queue, its jobs and workers live under the run's prefix and hash slot."""
+        return f"{self.base}:rq"
 
     @property
     def alive_pattern(self) -> str:

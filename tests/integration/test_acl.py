@@ -5,6 +5,7 @@ prints the password."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_a_least_privilege_user_runs_feed_produce_train_and_status(
     admin = redis.Redis.from_url(redis_server.url)
     user = f"u{run_name}"
     admin.execute_command(
-        "ACL", "SETUSER", user, "on", f">{PASSWORD}", f"~rs:{{{run_name}}}:*", "~rq:*", "&*", *CATEGORIES
+        "ACL", "SETUSER", user, "on", f">{PASSWORD}", f"~rs:{{{run_name}}}:*", "&*", *CATEGORIES
     )
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
@@ -60,6 +61,7 @@ def test_a_least_privilege_user_runs_feed_produce_train_and_status(
             ROLLSTREAM_ROLLOUT__BATCH_SIZE="4",
             ROLLSTREAM_PRODUCER__IS_VALID="keep_all",
             ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION="50",
+            ROLLSTREAM_PRODUCER__JUDGE_ON_QUEUE="true",  # rq's keys too: under the run's prefix
         )
         path = tmp_path / "p.jsonl"
         path.write_text(
@@ -68,6 +70,13 @@ def test_a_least_privilege_user_runs_feed_produce_train_and_status(
             )
         )
         outputs = []
+        judge = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "judge"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for args in (
             ["check"],
             ["feed", str(path), "--task", "math"],
@@ -78,7 +87,12 @@ def test_a_least_privilege_user_runs_feed_produce_train_and_status(
             done = cli(env, *args)
             outputs.append(done.stdout + done.stderr)
             assert done.returncode == 0, f"{args}: {done.stderr[-2000:]}"
+        judge.send_signal(signal.SIGTERM)
+        _, judged = judge.communicate(timeout=60)
+        assert judge.returncode == 0, judged[-2000:]
         assert '"train_step":1' in outputs[-1]
+        assert not list(admin.scan_iter(match="rq:*"))  # nothing of the run outside its prefix
+        assert list(admin.scan_iter(match=f"rs:{{{run_name}}}:rq:*"))
         assert all(PASSWORD not in out for out in outputs)
         # INFO is not allowed to this user: check got the version another way
         assert "answers at" in outputs[0] and f"{user}:***@" in outputs[0]
