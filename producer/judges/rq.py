@@ -4,9 +4,10 @@ model) happens in worker processes beside the producer and can be killed at a ti
 Everything on the queue is JSON (rq's JSONSerializer, never pickle): the job
 is the module-level ``run_judge`` called with the judge's spec, the prompt as
 a dict and the response texts, and it returns one reward dict per text. A
-worker serves it with::
+worker serves it with ``rollstream judge``, or by hand with rq's own command and
+the run's key prefix (the CLI puts rq's keys under the run's: ``rs:{run}:rq``)::
 
-    rq worker judge --serializer rq.serializers.JSONSerializer --url redis://...
+    RQ_KEY_PREFIX='rs:{exp1}:rq' rq worker judge --serializer rq.serializers.JSONSerializer --url redis://...
 
 and needs this package (and any dotted-path judge) importable.
 """
