@@ -504,13 +504,19 @@ def _recorder(path: str) -> Any:
         if batch is None:
             entry: dict[str, Any] = {"event": "commit", "step": step, "ts": time.time()}
         else:
-            groups = [[g.group_id, int(g.model_step)] for g in batch.groups]
+            # the oldest version among the tokens decoded, not the group's stored tag
+            groups = [[g.group_id, _oldest_version(g)] for g in batch.groups]
             entry = {"event": "read", "step": step, "ts": time.time(), "groups": groups}
         handle.write(orjson.dumps(entry) + b"\n")
         handle.flush()
         os.fsync(handle.fileno())
 
     return record
+
+
+def _oldest_version(group: Any) -> int:
+    versions = [int(s.response_versions.min()) for s in group.samples if len(s.response_versions)]
+    return min(versions, default=-1)
 
 
 async def show_progress(producer: Any, every_s: float = 0.5) -> None:
