@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import numpy as np
 import orjson
 
-from shared.errors import DecodeError
+from shared.errors import DecodeError, FormatError
 from shared.records import (
     ID_DTYPE,
     ID_MAX,
@@ -62,6 +62,12 @@ T = TypeVar("T")
 Fields = dict[str, bytes | str | int | float]
 WireFields = dict[str, bytes | str | int | float | tuple[np.ndarray, ...]]
 RawFields = Mapping[bytes, bytes]
+
+# docs/stream-format.md: every entry carries "format" = "MAJOR.MINOR". A reader reads
+# every minor version of its major (new fields are only ever added), and refuses any
+# other major; an entry without the field is from before the field existed: 1.0.
+FORMAT_VERSION = "1.0"
+FORMAT_MAJOR = FORMAT_VERSION.split(".")[0]
 
 _EMPTY_IDS = np.zeros(0, dtype=ID_DTYPE)
 _STATUS = {status.value: status for status in Status}
@@ -132,10 +138,28 @@ def _check_token_ids(ids: object, name: str) -> None:
 
 
 def encode_prompt(prompt: Prompt) -> Fields:
-    return {"uid": prompt.uid, "task": prompt.task, "data": orjson.dumps(prompt_to_dict(prompt))}
+    return {
+        "uid": prompt.uid,
+        "task": prompt.task,
+        "data": orjson.dumps(prompt_to_dict(prompt)),
+        "format": FORMAT_VERSION,
+    }
+
+
+def check_format(version: bytes | str | None, what: str) -> None:
+    """FormatError unless ``version`` (an entry's or the run's "format") is of our major."""
+    if version is None:
+        return
+    text = version.decode("utf-8", "replace") if isinstance(version, bytes) else version
+    if text.split(".")[0] != FORMAT_MAJOR:
+        raise FormatError(
+            f"{what} is in stream format {text!r}; this rollstream reads format {FORMAT_MAJOR}.x "
+            "(upgrade rollstream, or use the version that wrote the run)"
+        )
 
 
 def decode_prompt(fields: RawFields) -> Prompt:
+    check_format(fields.get(b"format"), "a prompt entry")
     try:
         return prompt_from_dict(orjson.loads(fields[b"data"]))
     except DecodeError as exc:
@@ -251,6 +275,7 @@ def encode_group_parts(group: Group) -> WireFields:
     status = group.status or Status.COMPLETED
     prompt_parts = (first,) if shared_prompt else tuple(s.prompt_ids for s in samples)
     return {
+        "format": FORMAT_VERSION,
         "task": group.task,
         "group_id": group.group_id,
         "model_step": group.model_step,
@@ -270,6 +295,7 @@ def encode_group_parts(group: Group) -> WireFields:
 
 
 def decode_group(fields: RawFields) -> Group:
+    check_format(fields.get(b"format"), "a group entry")
     try:
         return _decode_group(fields)
     except DecodeError as exc:

@@ -9,6 +9,7 @@ RollstreamError
 ├── InputError             bad user input
 │   └── PromptFileError    a malformed prompt line: file, line and field
 ├── DecodeError            a stream entry that cannot be decoded into a record
+├── FormatError            an entry or run written in a stream-format major version we do not read
 ├── CorruptValueError      a state or progress hash field holding what rollstream never writes there
 ├── WaitTimeout            what a process waited for did not come in time
 ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
@@ -65,6 +66,11 @@ class PromptFileError(InputError):
         self.path = path
         self.line = line
         self.what = what
+
+
+class FormatError(RollstreamError):
+    """Data written in a stream-format major version this rollstream does not read: not
+    the entry's fault (no dead letter), this process's. It stops and says which versions."""
 
 
 class DecodeError(RollstreamError):

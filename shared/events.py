@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 import redis
 
+from shared.codec import FORMAT_VERSION, check_format
 from shared.errors import CorruptValueError
 from shared.keys import MODEL_STEP, PAUSED, RAY_ADDRESS, TRAIN_STEP, Keys
 from shared.records import MAX_STEP
@@ -114,6 +115,7 @@ class RunControl:
             "model_step": -1 if model_step is None else model_step,
             "uri": uri,
             "ts": time.time(),
+            "format": FORMAT_VERSION,
         }
         pipe.xadd(self.keys.events, fields, maxlen=EVENTS_CAP, approximate=True)  # type: ignore[arg-type]
         return text(pipe.execute()[-1])
@@ -132,6 +134,7 @@ class RunControl:
         out, last = [], start
         for _, items in reply or []:
             for entry_id, fields in items:
+                check_format(fields.get(b"format"), f"event {text(entry_id)}")
                 last = text(entry_id)
                 event = self._event(last, fields)
                 if event is not None:

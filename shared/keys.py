@@ -14,7 +14,7 @@ several of them.
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
     rs:{run}:state            hash    model_step, train_step, feeder cursors, settings,
-                                      ray_address, paused
+                                      ray_address, paused, format
     rs:{run}:alive:{role}:{name}  string  a process's heartbeat JSON; expires by itself
     rs:{run}:rq:*             rq's keys: the judge queue, its jobs, registries and workers
     rs:{run}:progress         hash    cumulative counts per task
@@ -46,6 +46,7 @@ GROUP_OF_KIND = {
 # Fields of rs:{run}:state
 MODEL_STEP = "model_step"
 TRAIN_STEP = "train_step"
+FORMAT = "format"  # the stream-format version the run was written in (docs/stream-format.md)
 RUN_SETTINGS = "settings"  # the settings every process of the run must share (JSON)
 RAY_ADDRESS = "ray_address"  # the Ray cluster the run's engines live on
 PAUSED = "paused"  # "1" while the run is paused

@@ -17,8 +17,9 @@ from typing import Any
 import orjson
 import redis
 
+from shared.codec import FORMAT_VERSION, check_format
 from shared.errors import RunSettingsMismatch, SettingsError
-from shared.keys import RUN_SETTINGS, Keys
+from shared.keys import FORMAT, RUN_SETTINGS, Keys
 from shared.settings import ENV_PREFIX, Settings
 
 
@@ -41,6 +42,8 @@ def _variable(name: str) -> str:
 def check_run_settings(client: redis.Redis, keys: Keys, settings: Settings, who: str) -> bool:
     """Publish this process's shared settings if the run has none (returns True), else
     raise RunSettingsMismatch naming every difference (returns False when they agree)."""
+    client.hsetnx(keys.state, FORMAT, FORMAT_VERSION)  # the run's stream format: its first writer's
+    check_format(client.hget(keys.state, FORMAT), f"run {keys.run!r}")
     mine = agreed_settings(settings)
     body = orjson.dumps({"by": who, "ts": time.time(), "settings": mine})
     if client.hsetnx(keys.state, RUN_SETTINGS, body):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import redis
 from redis.commands.core import Script
 
+from shared.codec import FORMAT_VERSION
+
 # Fields a dead letter sets itself; an original field of the same name is kept as "orig.NAME".
 DEAD_HEADER = ("reason", "attempts", "source", "source_id")
 
@@ -222,7 +224,10 @@ check_counter(KEYS[3], ARGV[1])
 local added = 0
 for i = 2, #ARGV, 3 do
   if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
-    redis.call('XADD', KEYS[1], '*', 'uid', ARGV[i], 'task', ARGV[i + 1], 'data', ARGV[i + 2])
+    redis.call('XADD', KEYS[1], '*', 'uid', ARGV[i], 'task', ARGV[i + 1], 'data', ARGV[i + 2],
+               'format', '"""
+    + FORMAT_VERSION
+    + """')
     added = added + 1
   end
 end
@@ -247,7 +252,10 @@ end
 check_counter(KEYS[3], ARGV[4])
 local added = 0
 for i = 5, #ARGV, 3 do
-  redis.call('XADD', KEYS[1], '*', 'uid', ARGV[i], 'task', ARGV[i + 1], 'data', ARGV[i + 2])
+  redis.call('XADD', KEYS[1], '*', 'uid', ARGV[i], 'task', ARGV[i + 1], 'data', ARGV[i + 2],
+             'format', '"""
+    + FORMAT_VERSION
+    + """')
   added = added + 1
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
