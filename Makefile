@@ -24,7 +24,11 @@ demo: $(BASE)
 	$(VENV)/bin/rollstream demo
 
 # The Procfile's processes under honcho, with .env's settings, until the trainer is done.
-run: $(DEV)
+$(VENV)/.installed-run: $(BASE)
+	$(PY) -m pip install --quiet 'honcho>=2.0'
+	touch $@
+
+run: $(VENV)/.installed-run
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/honcho start -c producer=2
 
 # Faults at random under a restarting supervisor, after a fault-free run to compare with
