@@ -92,6 +92,20 @@ def cmd_steps(args: argparse.Namespace) -> int:
     return steps(_settings(args), train_step=args.train_step, yes=args.yes)
 
 
+def cmd_show(args: argparse.Namespace) -> int:
+    from cli.show import show
+
+    return show(
+        _settings(args),
+        args.kind,
+        task=args.task,
+        count=args.count,
+        last=args.last,
+        entry_id=args.id,
+        as_json=args.json,
+    )
+
+
 def cmd_redis(args: argparse.Namespace) -> int:
     from cli.commands import redis_server
 
@@ -219,6 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-step", type=_at_least(0), help="set the last committed train step (a repair)")
     p.add_argument("--yes", action="store_true", help="confirm --train-step")
     p.set_defaults(func=cmd_steps)
+
+    p = sub.add_parser("show", help="decoded entries of one stream of the run (token arrays as counts)")
+    p.add_argument(
+        "kind", choices=("prompts", "aborted", "expired", "evals", "groups", "events", "dead", "metrics")
+    )
+    p.add_argument("--task", help="task of a per-task stream (default: the first task of the settings)")
+    p.add_argument("--count", type=_at_least(1), default=10, help="entries to show (default 10)")
+    p.add_argument("--last", action="store_true", help="the newest entries, newest first")
+    p.add_argument("--id", help="only the entry with this id")
+    p.add_argument("--json", action="store_true", help="one JSON object per entry")
+    p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("redis", help="run redis-server in the foreground for a run on this machine")
     p.add_argument("--config", default="deploy/redis.conf", help="redis.conf to start from")
