@@ -76,6 +76,7 @@ class ReferenceTrainer:
         # commit redoes that step number with the groups it had read, never skips it
         first = self.reader.control.train_step() + 1
         interval = self.settings.rollout.sync_weights_interval
+        self._publish_missed_sync(first - 1, interval)
         for step in range(first, first + steps):
             if stop is not None and stop.is_set():
                 break  # between steps: nothing half-committed
@@ -96,6 +97,15 @@ class ReferenceTrainer:
             if on_step:
                 on_step(entry)
         return log
+
+    def _publish_missed_sync(self, committed: int, interval: int) -> None:
+        """A trainer that died between a commit and its weight sync left model_step one sync
+        behind: producers would stay on old weights, and with max_staleness 0 admit nothing
+        the trainer can take. Publish that sync now."""
+        last_sync = committed - committed % interval
+        if last_sync > self.reader.control.model_step():
+            uri = self.policy.save(last_sync) if self.policy is not None else None
+            publish_weights(self.reader.control, last_sync, uri)
 
     def _next_batch(self, step: int, stop: threading.Event | None) -> TrainBatch | None:
         """The full batch of ``step``, or None once ``stop`` is set while waiting for it."""

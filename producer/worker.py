@@ -173,7 +173,8 @@ class Producer:
         rollout = self.settings.rollout
         batch = self.batch[task]
         budget = 0 if self._tail[task] else over_sample_budget(batch, rollout.over_sample_threshold)
-        ahead = rollout.stale_threshold if rollout.mode == "async" else 1
+        # sync: the batches of the steps until the next weight sync (one, at interval 1)
+        ahead = rollout.stale_threshold if rollout.mode == "async" else rollout.sync_weights_interval
         return (self.model_step + ahead) * batch + budget
 
     def admit(self) -> list[Claim]:
@@ -198,7 +199,12 @@ class Producer:
         target); async mode keeps going within the admission bound."""
         if self.settings.rollout.mode != "sync":
             return True
-        return self._should_continue(self.buffer.accepted(task), (self.model_step + 1) * self.batch[task])
+        return self._should_continue(self.buffer.accepted(task), self._sync_target(task))
+
+    def _sync_target(self, task: str) -> int:
+        """sync mode: groups accepted once every step up to the next weight sync has its
+        batch (the trainer publishes only every sync_weights_interval steps)."""
+        return (self.model_step + self.settings.rollout.sync_weights_interval) * self.batch[task]
 
     def _expired_first(self, task: str) -> bool:
         """Tail-batch mode: -1 never re-rolls expired prompts, 0 at once, N once N wait;
@@ -215,9 +221,8 @@ class Producer:
         to the aborted pool (its partial tokens with it, in partial mode)."""
         if self.settings.rollout.mode != "sync" or not self.runner.inflight:
             return
-        for task, batch in self.batch.items():
-            target = (self.model_step + 1) * batch
-            if self.buffer.accepted(task) >= target:
+        for task in self.batch:
+            if self.buffer.accepted(task) >= self._sync_target(task):
                 ids = [rid for rid in self.runner.inflight if rid.startswith(f"{task}:")]
                 if ids:
                     await self.pool.abort(ids)

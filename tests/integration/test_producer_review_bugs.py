@@ -66,3 +66,15 @@ def test_burst_exits_when_only_the_admission_bound_holds_it_back(
     asyncio.run(producer.run(burst=True))  # before the fix: waited for ever for a trainer
     assert producer.stats.outcomes == {"completed": 4}
     assert producer.buffer.unclaimed("math") == 16  # the rest waits for the next model step
+
+
+@pytest.mark.timeout(60)
+def test_sync_mode_produces_every_batch_until_the_next_weight_sync(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    # sync, batch 4, a weight sync every 2 steps: the trainer needs 2 batches on step 0
+    # before it publishes anything (1 batch before: the run stalled at its second step)
+    producer = make(redis_server, run_name, rollout={"mode": "sync", "sync_weights_interval": 2})
+    producer.buffer.feed(prompts("math", 20))
+    asyncio.run(producer.run(burst=True))
+    assert producer.stats.outcomes == {"completed": 8}

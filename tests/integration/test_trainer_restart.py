@@ -111,3 +111,21 @@ def test_steps_shows_a_stuck_run_and_repairs_it(redis_server: EmbeddedRedis, run
     assert repaired.returncode == 0, repaired.stderr
     assert RunControl(client, keys).train_step() == 3
     assert steps().returncode == 0
+
+
+def test_a_trainer_that_died_between_commit_and_weight_sync_publishes_it_on_restart(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    settings = settings_for(redis_server, run_name)  # max_staleness 0: a missed sync deadlocks the run
+    client = redis.Redis.from_url(redis_server.url)
+    control = RunControl(client, Keys(run_name))
+    # Given step 1 committed, and its weight sync never published
+    produce(ReplayBuffer(client, settings, "p"), 2, step=0, start=0)
+    BatchReader(client, settings, "trainer").get_batch(1, timeout_s=5).commit()
+    assert (control.train_step(), control.model_step()) == (1, 0)
+    # When the trainer restarts, Then it publishes step 1 before it waits for step 2
+    produce(ReplayBuffer(client, settings, "p"), 2, step=1, start=2)
+    log = ReferenceTrainer(client, settings, step_time_s=0, consumer="trainer").run(1)
+    assert [(s.step, s.expired) for s in log.steps] == [(2, 0)]
+    events = [f[b"model_step"] for _, f in client.xrange(Keys(run_name).events)]
+    assert events == [b"1", b"2"]
