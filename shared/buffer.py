@@ -26,7 +26,17 @@ import redis
 
 from shared import codec
 from shared.errors import DecodeError, FeederError, ReplayBufferError
-from shared.keys import EVALS, GROUP_OF_KIND, POOLS, PRODUCERS, TRAINER, Keys, feeder_field, progress_field
+from shared.keys import (
+    EVALS,
+    GROUP_OF_KIND,
+    POOLS,
+    PRODUCERS,
+    TRAINER,
+    UNTRAINABLE,
+    Keys,
+    feeder_field,
+    progress_field,
+)
 from shared.records import Group, Prompt, Sample, Status
 from shared.scripts import Scripts
 from shared.settings import Settings
@@ -250,13 +260,14 @@ class ReplayBuffer:
         return out
 
     def accepted(self, task: str) -> int:
-        """Groups of the task that can still be trained on: completed, less expired ones."""
-        names = [progress_field(task, c) for c in ("completed", "expired", "expired_dropped")]
+        """Groups of the task that can still be trained on: completed, less those that left
+        the groups stream untrained (expired, dropped, dead-lettered)."""
+        names = [progress_field(task, c) for c in ("completed", *UNTRAINABLE)]
         counts = self.client.hmget(self.keys.progress, names)
-        completed, expired, dropped = (
+        completed, *gone = (
             stored_int(c, self.keys.progress, name, "a count") for c, name in zip(counts, names, strict=True)
         )
-        return completed - expired - dropped
+        return completed - sum(gone)
 
     def running(self, task: str) -> int:
         """Work of the task claimed by producers and not yet settled."""
@@ -433,6 +444,7 @@ class ReplayBuffer:
             args: list[Any] = [
                 GROUP_OF_KIND[kind], self.consumer, idle_ms, start, count - len(out),
                 self.settings.buffer.max_attempts, progress_field(task, "dead"),
+                progress_field(task, "groups_dead") if kind == "groups" else "",
             ]  # fmt: skip
             cursor, claimed = self.scripts.reclaim(keys=keys, args=args)
             for entry_id, flat, deliveries in claimed:
@@ -467,7 +479,8 @@ class ReplayBuffer:
         for name, value in entry.fields.items():
             key = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
             fields[f"orig.{key}" if key in fields else key] = value
-        return self._settle(entry, self.keys.dead, fields, "dead") is not None
+        untrained = {progress_field(entry.task, "groups_dead"): 1.0} if entry.kind == "groups" else None
+        return self._settle(entry, self.keys.dead, fields, "dead", untrained) is not None
 
     # --- mechanics -------------------------------------------------------------------
 

@@ -51,6 +51,11 @@ RUN_SETTINGS = "settings"  # the settings every process of the run must share (J
 RAY_ADDRESS = "ray_address"  # the Ray cluster the run's engines live on
 PAUSED = "paused"  # "1" while the run is paused
 
+# Counters of groups that left the groups stream without being trained: subtracted from
+# `completed` wherever producers count the groups that can still be trained (admission).
+# A group dead-lettered or dropped there must not keep a producer's place for ever.
+UNTRAINABLE = ("expired", "expired_dropped", "aborted_dropped", "groups_dead")
+
 # Roles of processes in liveness keys and `rollstream status`
 ROLES = ("engines", "producer", "trainer", "feeder", "judge")
 

@@ -19,6 +19,7 @@ import redis
 from redis.commands.core import Script
 
 from shared.codec import FORMAT_VERSION
+from shared.keys import UNTRAINABLE
 
 # Fields a dead letter sets itself; an original field of the same name is kept as "orig.NAME".
 DEAD_HEADER = ("reason", "attempts", "source", "source_id")
@@ -155,6 +156,7 @@ for _, p in ipairs(pending) do
   end
 end
 if dead > 0 and ARGV[7] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[7], dead) end
+if dead > 0 and ARGV[8] and ARGV[8] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[8], dead) end
 local cursor = '0-0'
 if #pending == count then cursor = '(' .. pending[#pending][1] end
 return {cursor, out}
@@ -182,14 +184,17 @@ return lost
 # KEYS: aborted, expired, prompts streams of one task, progress hash
 # ARGV: consumer, count, limit, '1' to include the expired pool, task
 # Admission control, atomic across producers: claims new entries, in pool order, only
-# while accepted + running < limit. accepted = completed - expired - expired_dropped
+# while accepted + running < limit. accepted = completed minus the UNTRAINABLE counters
 # (groups that can still be trained on); running = entries pending in the pools.
 # Returns {{stream, id, {field, value, ...}}, ...}.
-CLAIM_BOUNDED = """
+CLAIM_BOUNDED = (
+    """
 local function counter(name)
   return tonumber(redis.call('HGET', KEYS[4], ARGV[5] .. ':' .. name) or '0') or 0
 end
-local accepted = counter('completed') - counter('expired') - counter('expired_dropped')
+local accepted = counter('completed') """
+    + "".join(f"- counter('{c}') " for c in UNTRAINABLE)
+    + """
 local running = 0
 for i = 1, 3 do running = running + redis.call('XPENDING', KEYS[i], 'producers')[1] end
 local room = math.min(tonumber(ARGV[2]), tonumber(ARGV[3]) - accepted - running)
@@ -211,6 +216,7 @@ for i = 1, 3 do
 end
 return out
 """
+)
 
 # KEYS: prompts stream, fed-uid set, progress hash
 # ARGV: progress field, then (uid, task, data) triples. Idempotent by uid.

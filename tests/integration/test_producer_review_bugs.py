@@ -12,6 +12,7 @@ import redis
 
 from producer.pool import LocalPool
 from producer.worker import Producer
+from shared.buffer import ReplayBuffer
 from shared.embedded import EmbeddedRedis
 from shared.events import WEIGHT_SYNC
 from tests.helpers import prompts
@@ -78,3 +79,24 @@ def test_sync_mode_produces_every_batch_until_the_next_weight_sync(
     producer.buffer.feed(prompts("math", 20))
     asyncio.run(producer.run(burst=True))
     assert producer.stats.outcomes == {"completed": 8}
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_lettered_group_gives_its_place_back_to_the_producers(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    # async, batch 4, max_staleness 0: the bound admits 4 groups at model step 0
+    producer = make(redis_server, run_name)
+    producer.buffer.feed(prompts("math", 20))
+    asyncio.run(producer.run(burst=True))
+    assert producer.stats.outcomes == {"completed": 4}
+    # When the trainer dead-letters one of them (it could not use it)
+    trainer = ReplayBuffer(producer.buffer.client, producer.settings, "trainer")
+    (item, *_) = trainer.read_batch("math", 4).items
+    assert trainer.dead_letter(item.entry, "bad group")
+    # Then a producer may make one more: the dead group no longer holds a place for ever
+    # (before, the run stalled: at max_staleness 0 nothing more was admitted)
+    again = make(redis_server, run_name)
+    asyncio.run(again.run(burst=True))
+    assert again.stats.outcomes == {"completed": 1}
+    assert again.buffer.accepted("math") == 4
