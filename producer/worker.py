@@ -6,9 +6,11 @@ Admission (DESIGN.md, "Policy versions and staleness"): per task, a producer cla
 new work only while accepted + running < limit, checked atomically in Redis, with
 
     async: limit = (model_step + stale_threshold) x batch + over_sample_budget
-    sync:  limit = (model_step + 1) x batch + over_sample_budget
+    sync:  limit = (model_step + sync_weights_interval) x batch + over_sample_budget
 
-and in sync mode the groups still in flight once the batch is complete are aborted
+(accepted: completed groups less those that left the groups stream untrained,
+keys.UNTRAINABLE), and in sync mode the groups still in flight once the batches up to
+the next weight sync are complete are aborted
 into the aborted pool. On a weight sync the producer stops claiming, has the engines
 move to the new step (drain, abort or partial: see EngineActor.sync_weights), and
 claims again.
