@@ -20,6 +20,7 @@ from shared.buffer import ReplayBuffer
 from shared.connection import connect
 from shared.embedded import EmbeddedRedis
 from shared.errors import ServerNotFound
+from shared.events import EventFollower
 from shared.settings import Settings, load_settings
 
 CI = bool(os.environ.get("CI"))
@@ -127,6 +128,15 @@ def real_buffer(redis_server: EmbeddedRedis, make_settings: SettingsFactory) -> 
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture
+def followers() -> Iterator[list[EventFollower]]:
+    """Event followers a test starts; stopped at its end."""
+    started: list[EventFollower] = []
+    yield started
+    for follower in started:
+        follower.stop()
 
 
 @pytest.fixture(scope="session")

@@ -317,14 +317,6 @@ def test_a_restarted_trainer_dead_letters_a_bad_pending_group_and_keeps_the_good
 # --- events, state and progress ----------------------------------------------------------------
 
 
-@pytest.fixture
-def followers() -> Iterator[list[EventFollower]]:
-    started: list[EventFollower] = []
-    yield started
-    for follower in started:
-        follower.stop()
-
-
 def test_the_follower_skips_malformed_events_with_one_warning_each_and_goes_on(
     client: redis.Redis, run_name: str, followers: list[EventFollower], caplog: pytest.LogCaptureFixture
 ) -> None:

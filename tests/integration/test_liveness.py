@@ -309,14 +309,6 @@ def test_train_step_advanced_from_many_threads_ends_at_the_largest(
         client.close()
 
 
-@pytest.fixture
-def followers() -> Iterator[list[EventFollower]]:
-    started: list[EventFollower] = []
-    yield started
-    for follower in started:
-        follower.stop()
-
-
 def test_the_follower_delivers_the_events_after_its_start_in_order(
     real_client: redis.Redis, run_name: str, followers: list[EventFollower]
 ) -> None:
