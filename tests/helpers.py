@@ -6,8 +6,11 @@ import asyncio
 import heapq
 import inspect
 import itertools
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
@@ -121,3 +124,29 @@ class ManualClock:
                 self.time = max(self.time, when)
                 timer.callback()
         self.time = end
+
+
+def rollstream(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+class ProducerProcess:
+    """`rollstream produce` with its output in files: a pipe nobody reads while the test
+    waits would fill up and stall the producer."""
+
+    def __init__(self, env: dict[str, str], folder: Path, name: str) -> None:
+        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                rollstream("produce", "--local-engines"), env=env, stdout=out, stderr=err
+            )
+
+    def running(self) -> bool:
+        """True while it runs; a producer that exited fails the test with its output."""
+        code = self.proc.poll()
+        assert code is None, f"the producer exited with {code}: {self.err.read_text()[-2000:]}"
+        return True
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
+        code = self.proc.wait(timeout=timeout)
+        return code, self.out.read_text(), self.err.read_text()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import orjson
 import pytest
 import redis
 
-from tests.helpers import wait_for, wait_idle
+from tests.helpers import ProducerProcess, rollstream, wait_for, wait_idle
 
 pytestmark = pytest.mark.integration
 
@@ -657,27 +656,6 @@ def env_for(url: str, run: str) -> dict[str, str]:
         "ROLLSTREAM_PRODUCER__HEARTBEAT_S": "0.2",
         "ROLLSTREAM_BUFFER__CLAIM_IDLE_MS": str(CLAIM_IDLE_MS),
     }
-
-
-def rollstream(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", *args]
-
-
-class ProducerProcess:
-    """`rollstream produce --local-engines`, its output in files (a pipe nobody reads
-    while the test waits would fill up and stall it)."""
-
-    def __init__(self, env: dict[str, str], folder: Path, name: str) -> None:
-        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
-        with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(
-                rollstream("produce", "--local-engines"), env=env, stdout=out, stderr=err
-            )
-
-    def running(self) -> bool:
-        code = self.proc.poll()
-        assert code is None, f"a producer exited with {code}: {self.err.read_text()[-2000:]}"
-        return True
 
 
 def uid_of(fields: dict[bytes, bytes]) -> str | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import redis
 from shared.embedded import EmbeddedRedis
 from shared.events import RunControl
 from shared.keys import Keys
-from tests.helpers import wait_for
+from tests.helpers import ProducerProcess, rollstream, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -37,10 +36,6 @@ def producer_env(url: str, run: str) -> dict[str, str]:
     }
 
 
-def rollstream(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", *args]
-
-
 def feed(env: dict[str, str], tmp_path: Path, count: int) -> None:
     path = os.path.join(str(tmp_path), "p.jsonl")
     with open(path, "w") as handle:
@@ -52,28 +47,6 @@ def feed(env: dict[str, str], tmp_path: Path, count: int) -> None:
 
 def group_uids(client: redis.Redis, run: str) -> list[str]:
     return [f[b"group_id"].decode() for _, f in client.xrange(Keys(run).groups("math"))]
-
-
-class ProducerProcess:
-    """`rollstream produce` with its output in files: a pipe nobody reads while the test
-    waits would fill up and stall the producer."""
-
-    def __init__(self, env: dict[str, str], folder: Path, name: str) -> None:
-        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
-        with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(
-                rollstream("produce", "--local-engines"), env=env, stdout=out, stderr=err
-            )
-
-    def running(self) -> bool:
-        """True while it runs; a producer that exited fails the test with its output."""
-        code = self.proc.poll()
-        assert code is None, f"the producer exited with {code}: {self.err.read_text()[-2000:]}"
-        return True
-
-    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
-        code = self.proc.wait(timeout=timeout)
-        return code, self.out.read_text(), self.err.read_text()
 
 
 def test_a_producer_killed_mid_batch_loses_no_prompt(
