@@ -101,6 +101,7 @@ class Chaos:
         self.children: dict[str, Child] = {}
         self.lock = threading.Lock()
         self._order: list[str] = []
+        self._client: redis.Redis | None = None
 
     # --- set-up ----------------------------------------------------------------------
 
@@ -181,7 +182,10 @@ class Chaos:
     # --- running ---------------------------------------------------------------------
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+        """One client for the supervisor (it reconnects by itself after a Redis restart)."""
+        if self._client is None:
+            self._client = redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+        return self._client
 
     def _train_step(self) -> int:
         try:

@@ -286,7 +286,9 @@ def engines(
         beat = Heartbeat(process.liveness, detail).start()
         try:
             stop.wait()
-            _wait_for_producers_to_leave(process)
+            # producers stopping at the same time still hand their in-flight groups back
+            # through the engines: keep them until the producers are gone (bounded)
+            wait_until_gone(process, ("producer",))
         finally:
             killed = EnginePool.stop(settings)
             with contextlib.suppress(redis.RedisError):
@@ -301,12 +303,6 @@ def engines(
             # last: the others of a stopping run wait for this key to go before they exit
             beat.stop()
     return 0
-
-
-def _wait_for_producers_to_leave(process: Process) -> None:
-    """Producers stopping at the same time still hand their in-flight groups back through
-    the engines: keep the engines until they are gone, up to process.stop_timeout_s."""
-    wait_until_gone(process, ("producer",))
 
 
 def produce(
