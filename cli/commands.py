@@ -263,8 +263,8 @@ def engines(
     pool: list[EnginePool] = []
 
     def detail() -> dict[str, Any]:
-        if not pool:
-            return {"engines": 0}
+        if not pool or stop.is_set():  # no probing of actors that are being removed
+            return {"engines": len(pool[0].handles) if pool else 0, "stopping": stop.is_set()}
         steps = [h.model_step if h is not None else None for h in pool[0].probe(timeout_s=1.0)]
         return {"engines": len(steps), "model_steps": steps, "ray": gcs}
 

@@ -87,7 +87,14 @@ class Heartbeat:
 
     def beat(self, *, quiet: bool = False) -> bool:
         try:
-            self.liveness.beat(**self.detail())
+            detail = self.detail()
+        except Exception as exc:
+            # the key says the process lives; a detail that cannot be had must not stop it
+            # (a dead heartbeat thread lets the key expire under a live process)
+            log.warning("heartbeat detail of %s %s failed: %s", self.liveness.role, self.liveness.name, exc)
+            detail = {}
+        try:
+            self.liveness.beat(**detail)
         except redis.RedisError as exc:
             if not quiet:
                 log.warning("heartbeat of %s %s failed: %s", self.liveness.role, self.liveness.name, exc)

@@ -452,3 +452,13 @@ def test_eval_prompts_are_not_counted_as_lost(
     buffer.feed(prompts("math", 2, start=100), pool="evals")
     math = run_status(real_client, Keys(run_name)).accounts["math"]
     assert math.lost == 0, math
+
+
+def test_a_heartbeat_whose_detail_fails_still_renews_the_key(real_client: redis.Redis, run_name: str) -> None:
+    def broken() -> dict[str, object]:
+        raise RuntimeError("the engines are being removed")
+
+    liveness = Liveness(real_client, Keys(run_name), "engines", "e1", ttl_s=5)
+    assert Heartbeat(liveness, broken).beat()
+    (beat,) = live_processes(real_client, Keys(run_name))
+    assert beat.name == "e1" and beat.detail == {}
