@@ -30,7 +30,7 @@ MIN_VERSION = (6, 2)  # XAUTOCLAIM and XPENDING ... IDLE
 # Once a process is stopping, an outage is not ridden out for minutes: the process
 # manager may have stopped Redis with everything else.
 STOPPING = threading.Event()
-STOPPING_LIMIT_S = 2.0
+STOPPING_LIMIT_S = 0.5
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ class OutageRetry(Retry):
         super().__init__(ExponentialWithJitterBackoff(base=base_s, cap=cap_s), retries=1_000_000)
         self.shown_url = shown_url
         self.limit_s = limit_s
+
+    def _limit(self) -> float:
+        return min(self.limit_s, STOPPING_LIMIT_S) if STOPPING.is_set() else self.limit_s
 
     def call_with_retry(
         self,
@@ -70,12 +73,10 @@ class OutageRetry(Retry):
                 if failures == 1:
                     started = now
                     log.warning(
-                        "Redis at %s does not answer (%s): retrying for up to %.0f s",
-                        self.shown_url, error, self.limit_s,
+                        "Redis at %s does not answer (%s): retrying for up to %g s",
+                        self.shown_url, error, self._limit(),
                     )  # fmt: skip
-                elif now - started >= (
-                    min(self.limit_s, STOPPING_LIMIT_S) if STOPPING.is_set() else self.limit_s
-                ):
+                elif now - started >= self._limit():
                     log.error("Redis at %s gone for %.1f s: giving up", self.shown_url, now - started)
                     raise
                 time.sleep(self._backoff.compute(failures))

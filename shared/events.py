@@ -236,7 +236,8 @@ class EventFollower:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.block_ms / 1000 + 5)
+            # a daemon thread: a read that is still retrying must not hold up a stopping process
+            self._thread.join(timeout=self.block_ms / 1000 + 0.5)
 
     def _run(self) -> None:
         outage = False
