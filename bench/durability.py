@@ -22,10 +22,11 @@ from typing import Any
 import redis
 from common import RESULTS, show, spread, write_json
 
-from shared.buffer import ReplayBuffer
-from shared.embedded import find_redis_server, free_port
-from shared.records import Group, Prompt, Sample
-from shared.settings import load_settings
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.embedded import find_redis_server, free_port
+from rollstream.shared.keys import TRAINER_CONSUMER
+from rollstream.shared.records import Group, Prompt, Sample
+from rollstream.shared.settings import load_settings
 
 MODES = ("everysec", "always")
 
@@ -79,7 +80,7 @@ def cycle(url: str, run: str, groups: int, tokens: int) -> float:
     settings = load_settings(run=run, redis={"url": url}, tasks=[{"name": "math", "n": 8}])
     client = redis.Redis.from_url(url)
     producer = ReplayBuffer(client, settings, "producer")
-    trainer = ReplayBuffer(client, settings, "trainer")
+    trainer = ReplayBuffer(client, settings, TRAINER_CONSUMER)
     producer.feed(prompts(groups))
     started = time.perf_counter()
     done = 0

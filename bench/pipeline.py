@@ -46,14 +46,14 @@ from typing import Any, cast
 import redis
 from common import RESULTS, feed_prompts, pyplot, show, spread, table, write_json
 
-from consumer.batches import TrainBatch
-from consumer.trainer import ReferenceTrainer, StepLog
-from producer.engines.sim import SimEngine
-from producer.pool import LocalPool
-from producer.worker import Producer
-from shared.connection import connect
-from shared.embedded import EmbeddedRedis
-from shared.settings import Settings, load_settings
+from rollstream.consumer.batches import TrainBatch
+from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.producer.engines.sim import SimEngine
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.worker import Producer
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.settings import Settings, load_settings
 
 
 @dataclass(frozen=True, slots=True)

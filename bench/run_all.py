@@ -5,6 +5,8 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
   pipeline     bench/pipeline.py (B2): async against sync and the engine-capacity bound
   weight_sync  bench/weight_sync.py (B3): publish -> all 4 producer processes on the step
   scale        bench/scale.py (B4): 1/2/4 producer processes; memory over a long run
+  summary      bench/summary.py: what the summary field of group entries costs
+  learning     bench/learning.py: a model learns through rollstream; sync vs async steps and seconds
 
     .venv/bin/python bench/run_all.py            # ~6 min on 2 cores
     .venv/bin/python bench/run_all.py --quick    # ~2 min, smoke sizes
@@ -29,6 +31,8 @@ BENCHES: dict[str, list[str]] = {
     "weight_sync": [],
     "scale": [],
     "durability": [],
+    "summary": [],
+    "learning": [],
 }
 
 
@@ -120,6 +124,35 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             "long_run_seconds": scale["long_run"]["seconds"],
             "groups_per_s": scale["groups_per_s"],
             "speedup_over_1": scale["speedup_over_1"],
+        }
+    if summary := read_json(RESULTS / "summary.json"):
+        out["summary"] = {
+            name: summary[name]
+            for name in (
+                "hot_path_overhead",
+                "summary_share_of_hot_path",
+                "encode_overhead",
+                "summary_share_of_encode",
+                "bytes_overhead",
+                "summary_chars_max",
+            )
+        }
+        out["summary"]["hot_path_us"] = {k: v["hot_path_us"] for k, v in summary["shapes"].items()}
+    if learn := read_json(RESULTS / "learning.json"):
+        out["learning"] = {
+            "target": learn["target"],
+            "seeds": len(learn["seeds"]),
+            "sync_steps_over_reference": learn["sync_steps_over_reference"],
+            "reference_steps": learn["reference"]["steps_to_target"],
+            "recipes": {
+                name: {
+                    k: r[k]
+                    for k in ("steps_to_target", "seconds_to_target", "steps_over_sync", "seconds_over_sync")
+                    if k in r
+                }
+                | {"reached": r["reached"]}
+                for name, r in learn["recipes"].items()
+            },
         }
     if durability := read_json(RESULTS / "durability.json"):
         out["durability"] = {
@@ -220,6 +253,49 @@ def summary_table(r: dict[str, Any]) -> str:
             "-",
             None,
         )
+    if m := r.get("summary"):
+        add(
+            "summary.hot_path_overhead",
+            f"{m['hot_path_overhead']:+.1%}",
+            "group entries with / without the summary field (buffer.summary, off by default), per "
+            "group on the hot path (off: "
+            + ", ".join(f"{k} {v['off']:,.0f} µs" for k, v in m["hot_path_us"].items())
+            + f"); the summary's own time {m['summary_share_of_hot_path']:.1%} of it, "
+            f"{m['summary_share_of_encode']:.0%} of encode; bytes {m['bytes_overhead']:+.2%}",
+            "<= +3%",
+            m["hot_path_overhead"] <= 0.03,
+        )
+    if learn := r.get("learning"):
+        steps = {name: x["steps_to_target"] for name, x in learn["recipes"].items()}
+        sync = learn["sync_steps_over_reference"]
+        if sync["n"] and "sync" in steps:
+            add(
+                "learning.sync_steps_over_reference",
+                show(sync, ".2f"),
+                f"{show(steps['sync'], '.0f')} / {show(learn['reference_steps'], '.0f')} steps to mean "
+                f"reward {learn['target']} ({learn['seeds']} seeds; reference: the model in a plain loop)",
+                "<= 1.2",
+                sync["median"] <= 1.2,
+            )
+        for name, x in learn["recipes"].items():
+            corrected = name != "async"  # the uncorrected run is reported, with no target
+            if x.get("steps_over_sync", {}).get("n"):
+                add(
+                    f"learning.{name}.steps_over_sync",
+                    show(x["steps_over_sync"], ".2f"),
+                    f"{show(steps[name], '.0f')} / {show(steps['sync'], '.0f')} steps ({x['reached']})",
+                    "<= 1.2" if corrected else "-",
+                    x["steps_over_sync"]["median"] <= 1.2 if corrected else None,
+                )
+            if x.get("seconds_over_sync", {}).get("n"):
+                add(
+                    f"learning.{name}.seconds_over_sync",
+                    show(x["seconds_over_sync"], ".2f"),
+                    f"{show(x['seconds_to_target'], '.1f')} / "
+                    f"{show(learn['recipes']['sync']['seconds_to_target'], '.1f')} wall seconds",
+                    "< 1" if corrected else "-",
+                    x["seconds_over_sync"]["median"] < 1 if corrected else None,
+                )
     return table(["metric", "value", "ratio of", "target", ""], rows, left=5)
 
 

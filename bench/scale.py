@@ -30,13 +30,13 @@ from typing import Any
 
 from common import RESULTS, Producers, producer_env, pyplot, show, spread, table, used_memory, write_json
 
-from cli.commands import example_prompts
-from consumer.trainer import ReferenceTrainer, StepLog
-from producer.feeder import Feeder
-from shared.buffer import ReplayBuffer
-from shared.connection import connect
-from shared.embedded import EmbeddedRedis
-from shared.settings import Settings, load_settings
+from rollstream.cli.commands import example_prompts
+from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.producer.feeder import Feeder
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.settings import Settings, load_settings
 
 BATCH = 64
 N = 2

@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 from common import RESULTS, Producers, feed_prompts, producer_env, pyplot, show, spread, table, write_json
 
-from consumer.weights import publish_weights, wait_for_producers
-from shared.connection import connect
-from shared.embedded import EmbeddedRedis
-from shared.events import RunControl
-from shared.keys import Keys
-from shared.settings import load_settings
+from rollstream.consumer.weights import publish_weights, wait_for_producers
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import Count, Keys, progress_field
+from rollstream.shared.settings import load_settings
 
 PRODUCERS = 4
 HEARTBEAT_S = 0.01
@@ -115,8 +115,8 @@ def measure(url: str, load: str, syncs: int, repeats: int) -> dict[str, Any]:
         "max_ms": max(every),
         "p50_ms_per_block": spread([float(np.percentile(b, 50)) for b in latencies]),
         "p99_ms_per_block": spread([float(np.percentile(b, 99)) for b in latencies]),
-        "completed_groups": int(float(progress.get("math:completed", 0))),
-        "aborted_groups": int(float(progress.get("math:aborted", 0))),
+        "completed_groups": int(float(progress.get(progress_field("math", Count.COMPLETED), 0))),
+        "aborted_groups": int(float(progress.get(progress_field("math", Count.ABORTED), 0))),
         "latencies_ms": every,
     }
 

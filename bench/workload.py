@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.records import Group, Prompt, Sample
+from rollstream.shared.records import Group, Prompt, Sample
 
 SAMPLES = 8
 RESPONSE_TOKENS = 2_048

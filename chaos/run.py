@@ -41,9 +41,9 @@ from typing import Any
 import orjson
 import redis
 
-from shared.embedded import find_redis_server, free_port
-from shared.events import STOP, RunControl
-from shared.keys import Keys
+from rollstream.shared.embedded import find_redis_server, free_port
+from rollstream.shared.events import STOP, RunControl
+from rollstream.shared.keys import GROUPS, POOLS, Count, Keys, progress_field
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "math"
@@ -141,7 +141,7 @@ class Chaos:
         return path
 
     def children_spec(self) -> list[Child]:
-        rs = [sys.executable, "-m", "cli.main"]
+        rs = [sys.executable, "-m", "rollstream.cli.main"]
         prompts = str(self.prompt_file())
         redis_dir = self.out / "redis"
         redis_dir.mkdir(exist_ok=True)
@@ -176,8 +176,8 @@ class Chaos:
 
     def _trainer_argv(self) -> list[str]:
         left = max(1, self.steps - self._train_step())
-        return [sys.executable, "-m", "cli.main", "train", "--steps", str(left), "--step-time", "0.2",
-                "--record", str(self.record)]  # fmt: skip
+        return [sys.executable, "-m", "rollstream.cli.main", "train", "--steps", str(left),
+                "--step-time", "0.2", "--record", str(self.record)]  # fmt: skip
 
     # --- running ---------------------------------------------------------------------
 
@@ -246,8 +246,8 @@ class Chaos:
             {
                 "t": time.monotonic() - self.started,
                 "train_step": step,
-                "completed": progress.get(f"{TASK}:completed", 0.0),
-                "expired": progress.get(f"{TASK}:expired", 0.0),
+                "completed": progress.get(progress_field(TASK, Count.COMPLETED), 0.0),
+                "expired": progress.get(progress_field(TASK, Count.EXPIRED), 0.0),
             }
         )
 
@@ -334,7 +334,7 @@ def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
     client: Any = chaos.client()
     progress = {k.decode(): float(v) for k, v in client.hgetall(chaos.keys.progress).items()}
     # the feeder goes through the file in order (no shuffle): what it fed is a prefix
-    fed = int(progress.get(f"{TASK}:fed", 0))
+    fed = int(progress.get(progress_field(TASK, Count.FED), 0))
     expected = {f"{TASK}:q{i}@0" for i in range(fed)}
     reads: dict[int, list[list[Any]]] = {}
     committed: list[tuple[int, list[list[Any]]]] = []
@@ -363,7 +363,7 @@ def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
         if gid:
             dead[gid] = fields.get(b"reason", b"").decode("utf-8", "replace")
     pending: dict[str, str] = {}
-    for kind in ("prompts", "aborted", "expired", "groups"):
+    for kind in (*POOLS, GROUPS):
         for _, fields in client.xrange(chaos.keys.stream(kind, TASK)):
             gid = _group_id(fields)
             if gid:
@@ -384,8 +384,8 @@ def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
             where["still pending"][pending[gid]] += 1
         else:
             rows["lost"] += 1
-    completed = progress.get(f"{TASK}:completed", 0.0)
-    expired = progress.get(f"{TASK}:expired", 0.0)
+    completed = progress.get(progress_field(TASK, Count.COMPLETED), 0.0)
+    expired = progress.get(progress_field(TASK, Count.EXPIRED), 0.0)
     faults = Counter(
         _fault_name(kind, detail) for _, kind, detail in chaos.timeline if kind in ("kill -9", "SIGSTOP")
     )

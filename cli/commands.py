@@ -15,20 +15,20 @@ import orjson
 import redis
 from tqdm import tqdm
 
-from cli.process import Process, running, start_line, stop_on_signals, wait_until_gone
-from producer.feeder import Cursor, Feeder
-from producer.prompts import read_prompt_file
-from shared.buffer import ReplayBuffer, default_consumer_name
-from shared.connection import check_server, connect, wait_for_redis
-from shared.errors import InputError, SettingsError
-from shared.events import STOP, RunControl
-from shared.keys import TRAIN_STEP, Keys
-from shared.liveness import Heartbeat
-from shared.logs import Ticker, on_terminal
-from shared.runconfig import check_run_settings
-from shared.settings import Settings, redact_url
-from shared.status import RunStatus, run_status
-from shared.waiting import NotYet, wait_until
+from rollstream.cli.process import Process, running, start_line, stop_on_signals, wait_until_gone
+from rollstream.producer.feeder import Cursor, Feeder
+from rollstream.producer.prompts import read_prompt_file
+from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
+from rollstream.shared.connection import check_server, connect, wait_for_redis
+from rollstream.shared.errors import InputError, SettingsError
+from rollstream.shared.events import CONTROL_EVENTS, STOP, RunControl
+from rollstream.shared.keys import TRAIN_STEP, Keys, Role
+from rollstream.shared.liveness import Heartbeat
+from rollstream.shared.logs import Ticker, on_terminal
+from rollstream.shared.runconfig import check_run_settings
+from rollstream.shared.settings import Settings, redact_url
+from rollstream.shared.status import RunStatus, run_status
+from rollstream.shared.waiting import NotYet, wait_until
 
 log = logging.getLogger("rollstream")
 
@@ -71,7 +71,7 @@ def run_feeder(
     settings.task(task)
     state: dict[str, Any] = {"fed": 0, "epoch": 0}
     with running(
-        settings, "feeder", stop, detail=lambda: dict(state), task=task, file=path, epochs=epochs
+        settings, Role.FEEDER, stop, detail=lambda: dict(state), task=task, file=path, epochs=epochs
     ) as process:
         if process is None:
             return 0
@@ -151,7 +151,7 @@ def check(settings: Settings, *, engines: bool = False) -> int:
     print(f"Redis {version} answers at {redact_url(settings.redis.url)}")
     if not engines:
         return 0
-    from producer.pool import EnginePool, PoolError, init_ray
+    from rollstream.producer.pool import EnginePool, PoolError, init_ray
 
     address = settings.ray.address or RunControl(client, Keys(settings.run)).ray_address()
     if not address:
@@ -173,6 +173,8 @@ def check(settings: Settings, *, engines: bool = False) -> int:
 
 def control(settings: Settings, action: str) -> int:
     """pause / resume / stop: an event on the run's events stream that every process follows."""
+    if action not in CONTROL_EVENTS:
+        raise ValueError(f"unknown run-control action {action!r}; known: {', '.join(CONTROL_EVENTS)}")
     client = connect(settings.redis)
     event_id = RunControl(client, Keys(settings.run)).publish(action)
     print(f"run {settings.run!r}: {action} published (event {event_id})")
@@ -211,7 +213,7 @@ def redis_server(settings: Settings, config: str, data_dir: str) -> int:
     this process: SIGTERM reaches redis-server, which saves and exits 0."""
     from urllib.parse import urlsplit
 
-    from shared.embedded import find_redis_server
+    from rollstream.shared.embedded import find_redis_server
 
     url = urlsplit(settings.redis.url)
     if url.scheme != "redis" or url.hostname not in ("127.0.0.1", "localhost", "::1"):
@@ -243,7 +245,7 @@ def engines(
 
     import ray
 
-    from producer.pool import EnginePool, PoolError, actor_name, init_ray, namespace
+    from rollstream.producer.pool import EnginePool, PoolError, actor_name, init_ray, namespace
 
     address = address or settings.ray.address
     if not foreground and not address and not stop_engines:
@@ -269,7 +271,7 @@ def engines(
         return {"engines": len(steps), "model_steps": steps, "ray": gcs}
 
     gcs = ""
-    with running(settings, "engines", stop, detail=detail, heartbeat=False, kind=settings.engines.kind,
+    with running(settings, Role.ENGINES, stop, detail=detail, heartbeat=False, kind=settings.engines.kind,
                  count=settings.engines.count, ray=address or "a local cluster") as process:  # fmt: skip
         if process is None:
             return 0
@@ -288,7 +290,7 @@ def engines(
             stop.wait()
             # producers stopping at the same time still hand their in-flight groups back
             # through the engines: keep them until the producers are gone (bounded)
-            wait_until_gone(process, ("producer",))
+            wait_until_gone(process, (Role.PRODUCER,))
         finally:
             killed = EnginePool.stop(settings)
             with contextlib.suppress(redis.RedisError):
@@ -312,10 +314,10 @@ def produce(
     has no work it may take)."""
     import asyncio
 
-    from producer.pool import BasePool, EnginePool, LocalPool, PoolError, init_ray
-    from producer.worker import Producer
+    from rollstream.producer.pool import BasePool, EnginePool, LocalPool, PoolError, init_ray
+    from rollstream.producer.worker import Producer
 
-    with running(settings, "producer", stop, heartbeat=False, follow=False, mode=settings.rollout.mode,
+    with running(settings, Role.PRODUCER, stop, heartbeat=False, follow=False, mode=settings.rollout.mode,
                  engines="local" if local_engines else settings.engines.kind) as process:  # fmt: skip
         if process is None:
             return 0
@@ -413,9 +415,9 @@ def judge(settings: Settings, *, stop: threading.Event, burst: bool = False) -> 
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
-    from producer.judges.rq import JUDGE_QUEUE
+    from rollstream.producer.judges.rq import JUDGE_QUEUE
 
-    with running(settings, "judge", stop, queue=JUDGE_QUEUE) as process:
+    with running(settings, Role.JUDGE, stop, queue=JUDGE_QUEUE) as process:
         if process is None:
             return 0
         queue = Queue(JUDGE_QUEUE, connection=process.client, serializer=JSONSerializer)
@@ -424,7 +426,7 @@ def judge(settings: Settings, *, stop: threading.Event, burst: bool = False) -> 
         def hand_over() -> None:
             stop.wait()
             if process.run_stopped:  # producers still wait on their last judge jobs
-                wait_until_gone(process, ("producer",))
+                wait_until_gone(process, (Role.PRODUCER,))
             os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=hand_over, daemon=True).start()
@@ -447,27 +449,49 @@ def train(
     lr: float = 1e-5,
     stop_run: bool = False,
     record: str | None = None,
+    eval_file: str | None = None,
+    eval_every: int = 10,
+    eval_task: str | None = None,
 ) -> int:
     """The reference trainer for ``steps`` steps, a log line per step (and a tqdm bar on
-    a terminal); with ``hf_model`` a real policy-gradient update whose weights the hf
-    engines load; with ``stop_run`` the run's stop event once the steps are done."""
-    from consumer.trainer import ReferenceTrainer, StepLog
+    a terminal); with ``hf_model`` a real policy-optimisation step (the loss the
+    ``algorithm`` settings select) whose weights the hf engines load; with
+    ``stop_run`` the run's stop event once the steps are done; with ``eval_file``
+    its prompts evaluated every ``eval_every`` steps through the coordinator, sampled
+    as in training and greedily, a log line each."""
+    from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+
+    held_out = None
+    if eval_file:
+        task = eval_task or settings.tasks[0].name
+        settings.task(task)
+        held_out = read_prompt_file(eval_file, task)  # every line checked before anything runs
 
     policy = None
     if hf_model:
-        from consumer.pg import PolicyGradient
+        from rollstream.consumer.pg import PolicyGradient
 
-        policy = PolicyGradient(hf_model, weights_dir, lr=lr, device=settings.engines.hf.device)
+        policy = PolicyGradient(
+            hf_model, weights_dir, lr=lr, device=settings.engines.hf.device, algorithm=settings.algorithm
+        )
     last: dict[str, Any] = {}
     rollout = settings.rollout
     with running(
-        settings, "trainer", stop, name=consumer, detail=lambda: dict(last),
+        settings, Role.TRAINER, stop, name=consumer, detail=lambda: dict(last),
         steps=steps, batch_size=rollout.batch_size, max_staleness=rollout.max_staleness,
     ) as process:  # fmt: skip
         if process is None:
             return 0
+        evaluator = None
+        if held_out:
+            from rollstream.consumer.coordinator import BatchCoordinator
+            from rollstream.consumer.evaluation import EvalSet, Evaluator
+
+            sampled = EvalSet("heldout", held_out)
+            coordinator = BatchCoordinator(process.client, settings, consumer=f"{consumer}-eval")
+            evaluator = Evaluator(coordinator, [sampled, sampled.greedy("greedy")], eval_every)
         trainer = ReferenceTrainer(process.client, settings, step_time_s=step_time_s, consumer=consumer,
-                                   policy=policy)  # fmt: skip
+                                   policy=policy, evaluator=evaluator)  # fmt: skip
         if record:
             trainer.on_commit = _recorder(record)
         with tqdm(total=steps, unit="step", desc="train", disable=not on_terminal()) as bar:
@@ -482,6 +506,13 @@ def train(
                     entry.step, entry.groups, entry.expired, dict(sorted(entry.staleness.items())), reward,
                     entry.train_s, entry.wait_s,
                 )  # fmt: skip
+                if entry.eval:
+                    shown = {
+                        k.removeprefix("eval/"): round(v, 4) for k, v in entry.eval.items() if "mean@" in k
+                    }
+                    log.info(
+                        "trainer: eval at step %d: %s (%.1f s)", entry.step, shown, entry.eval["eval/seconds"]
+                    )
 
             result = trainer.run(steps, on_step, stop)
         log.info("trainer: %d steps done%s", len(result.steps), ", stopped" if stop.is_set() else "")
@@ -513,24 +544,6 @@ def _recorder(path: str) -> Any:
 def _oldest_version(group: Any) -> int:
     versions = [int(s.response_versions.min()) for s in group.samples if len(s.response_versions)]
     return min(versions, default=-1)
-
-
-async def show_progress(producer: Any, every_s: float = 0.5) -> None:
-    """A bar per task: accepted groups toward the current admission limit."""
-    import asyncio
-
-    bars = {task: tqdm(desc=task, unit="group", leave=False) for task in producer.batch}
-    try:
-        while True:
-            for task, bar in bars.items():
-                bar.total = producer.limit(task)
-                bar.n = producer.buffer.accepted(task)
-                bar.set_postfix(step=producer.model_step, inflight=len(producer.inflight), refresh=False)
-                bar.refresh()
-            await asyncio.sleep(every_s)
-    finally:
-        for bar in bars.values():
-            bar.close()
 
 
 def example_prompts(path: Path, count: int) -> Path:

@@ -12,8 +12,9 @@ from typing import Any
 
 import redis
 
-from cli.process import stop_on_signals
-from shared.errors import (
+from rollstream.cli.process import stop_on_signals
+from rollstream.cli.show import KINDS
+from rollstream.shared.errors import (
     InputError,
     RedisTooOld,
     RedisUnavailable,
@@ -21,15 +22,18 @@ from shared.errors import (
     SettingsError,
     WaitTimeout,
 )
-from shared.keys import Keys
-from shared.logs import setup_logging
-from shared.settings import Settings, load_settings
+from rollstream.shared.events import PAUSE, RESUME, STOP
+from rollstream.shared.keys import TRAINER_CONSUMER, Keys
+from rollstream.shared.logs import setup_logging
+from rollstream.shared.settings import Settings, load_settings
 
 RET_OK = 0
 RET_ERROR = 1  # an operation failed
 RET_INPUT = 2  # bad arguments, settings or input files
 RET_CONNECT = 3  # Redis unreachable or too old
 RET_WAIT = 4  # what the process needs (Redis, engines, a Ray address) did not come in time
+# the demo's recipes: rollstream.cli.learning.RECIPES, named here to keep this import light
+RECIPE_NAMES = ("sync", "async", "async_tis", "async_decoupled")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -49,7 +53,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
-    from cli.commands import feed, run_feeder
+    from rollstream.cli.commands import feed, run_feeder
 
     settings = _settings(args)
     stop = stop_on_signals()
@@ -69,31 +73,31 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from cli.commands import status
+    from rollstream.cli.commands import status
 
     return status(_settings(args), as_json=args.json)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from cli.commands import check
+    from rollstream.cli.commands import check
 
     return check(_settings(args), engines=args.engines)
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    from cli.commands import control
+    from rollstream.cli.commands import control
 
     return control(_settings(args), args.command)
 
 
 def cmd_steps(args: argparse.Namespace) -> int:
-    from cli.commands import steps
+    from rollstream.cli.commands import steps
 
     return steps(_settings(args), train_step=args.train_step, yes=args.yes)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from cli.show import show
+    from rollstream.cli.show import show
 
     return show(
         _settings(args),
@@ -107,13 +111,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
-    from cli.commands import redis_server
+    from rollstream.cli.commands import redis_server
 
     return redis_server(_settings(args), args.config, args.dir)
 
 
 def cmd_engines(args: argparse.Namespace) -> int:
-    from cli.commands import engines
+    from rollstream.cli.commands import engines
 
     return engines(
         _settings(args),
@@ -125,7 +129,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from cli.commands import produce
+    from rollstream.cli.commands import produce
 
     return produce(
         _settings(args),
@@ -137,7 +141,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from cli.commands import train
+    from rollstream.cli.commands import train
 
     return train(
         _settings(args),
@@ -150,19 +154,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         lr=args.lr,
         stop_run=args.stop_run,
         record=args.record,
+        eval_file=args.eval_file,
+        eval_every=args.eval_every,
+        eval_task=args.eval_task,
     )
 
 
 def cmd_judge(args: argparse.Namespace) -> int:
-    from cli.commands import judge
+    from rollstream.cli.commands import judge
 
     return judge(_settings(args), stop=stop_on_signals(), burst=args.burst)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from cli.demo import demo
+    from rollstream.cli.demo import demo
 
-    return demo(prompts=args.prompts, steps=args.steps, step_time_s=args.step_time, as_json=args.json)
+    return demo(
+        prompts=args.prompts, steps=args.steps, step_time_s=args.step_time, as_json=args.json, sim=args.sim,
+        recipe=args.recipe, seed=args.seed, plot=args.plot or None, eval_every=args.eval_every,
+    )  # fmt: skip
 
 
 def _at_least(minimum: float, kind: type = int) -> Callable[[str], Any]:
@@ -222,9 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     for action, what in (
-        ("pause", "producers stop claiming and park in-flight work; engines idle"),
-        ("resume", "producers claim again"),
-        ("stop", "every process of the run, on any machine, stops cleanly"),
+        (PAUSE, "producers stop claiming and park in-flight work; engines idle"),
+        (RESUME, "producers claim again"),
+        (STOP, "every process of the run, on any machine, stops cleanly"),
     ):
         p = sub.add_parser(action, help=f"{action} the run: {what}")
         p.set_defaults(func=cmd_control)
@@ -235,9 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_steps)
 
     p = sub.add_parser("show", help="decoded entries of one stream of the run (token arrays as counts)")
-    p.add_argument(
-        "kind", choices=("prompts", "aborted", "expired", "evals", "groups", "events", "dead", "metrics")
-    )
+    p.add_argument("kind", choices=KINDS)
     p.add_argument("--task", help="task of a per-task stream (default: the first task of the settings)")
     p.add_argument("--count", type=_at_least(1), default=10, help="entries to show (default 10)")
     p.add_argument("--last", action="store_true", help="the newest entries, newest first")
@@ -275,7 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="the reference trainer: read batches, train, publish weights")
     p.add_argument("--steps", type=_at_least(1), required=True, help="train steps to run")
     p.add_argument("--step-time", type=_at_least(0, float), default=0.5, help="seconds a train step takes")
-    p.add_argument("--consumer", default="trainer", help="stable consumer name (restarts re-read its groups)")
+    p.add_argument(
+        "--consumer", default=TRAINER_CONSUMER, help="stable consumer name (restarts re-read its groups)"
+    )
     p.add_argument("--hf-model", help="train this Hugging Face model for real (policy gradient, hf extra)")
     p.add_argument("--weights-dir", default="weights", help="where each synced step's weights are saved")
     p.add_argument("--lr", type=float, default=1e-5, help="learning rate of the real update")
@@ -283,12 +293,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop-run", action="store_true", help="when the steps are done, stop every process of the run"
     )
     p.add_argument("--record", help="append each step's groups (before its commit) and commits to this file")
+    p.add_argument(
+        "--eval-file", help="held-out prompts, evaluated sampled and greedy through the coordinator"
+    )
+    p.add_argument("--eval-every", type=_at_least(1), default=10, help="train steps between evals")
+    p.add_argument("--eval-task", help="the task of the eval prompts (default: the first task)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("demo", help="a first try in one process on an embedded Redis")
-    p.add_argument("--prompts", type=_at_least(1), default=512, help="prompts to feed")
-    p.add_argument("--steps", type=_at_least(1), default=8, help="train steps")
-    p.add_argument("--step-time", type=_at_least(0, float), default=0.3, help="seconds a train step takes")
+    p = sub.add_parser("demo", help="a model learns through rollstream, in one process on an embedded Redis")
+    p.add_argument(
+        "--sim", action="store_true", help="simulated engines and a sleeping trainer: a quick look"
+    )
+    p.add_argument("--steps", type=_at_least(1), help="train steps (learning: at most; default 700, --sim 8)")
+    p.add_argument("--recipe", choices=RECIPE_NAMES, default="async_decoupled", help="how to train")
+    p.add_argument(
+        "--seed", type=_at_least(0), default=0, help="the model's, the prompts' and the sampling's"
+    )
+    p.add_argument("--eval-every", type=_at_least(0), default=25, help="train steps between evals (0: none)")
+    p.add_argument("--plot", default="rollstream-demo.png", help="the PNG of the curves ('': none)")
+    p.add_argument("--prompts", type=_at_least(1), default=512, help="--sim: prompts to feed")
+    p.add_argument(
+        "--step-time", type=_at_least(0, float), default=0.3, help="--sim: seconds a train step takes"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -27,14 +27,14 @@ from typing import Any
 
 import redis
 
-from shared.buffer import default_consumer_name
-from shared.connection import STOPPING, wait_for_redis
-from shared.errors import RollstreamError
-from shared.events import STOP, Event, EventFollower, RunControl
-from shared.keys import ROLES, Keys
-from shared.liveness import Heartbeat, Liveness, live_processes
-from shared.runconfig import check_run_settings
-from shared.settings import Settings, redact_url
+from rollstream.shared.buffer import default_consumer_name
+from rollstream.shared.connection import STOPPING, wait_for_redis
+from rollstream.shared.errors import RollstreamError
+from rollstream.shared.events import STOP, Event, EventFollower, RunControl
+from rollstream.shared.keys import ROLES, Keys
+from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
+from rollstream.shared.runconfig import check_run_settings
+from rollstream.shared.settings import Settings, redact_url
 
 log = logging.getLogger("rollstream")
 

@@ -19,19 +19,20 @@ import numpy as np
 import orjson
 import redis
 
-from shared import codec
-from shared.connection import connect
-from shared.errors import InputError, RollstreamError
-from shared.keys import STREAM_KINDS, Keys
-from shared.records import Group, IdArray, Prompt
-from shared.settings import Settings
+from rollstream.shared import codec
+from rollstream.shared.connection import connect
+from rollstream.shared.errors import InputError, RollstreamError
+from rollstream.shared.keys import ABORTED, EVALS, EXPIRED, GROUPS, PROMPTS, STREAM_KINDS, Keys
+from rollstream.shared.records import Group, IdArray, Prompt
+from rollstream.shared.settings import Settings
 
 # Streams of the run as a whole; the others are per task (shared/keys.py).
 RUN_KINDS = ("events", "dead", "metrics")
-KINDS = ("prompts", "aborted", "expired", "evals", "groups", *RUN_KINDS)
+KINDS = (PROMPTS, ABORTED, EXPIRED, EVALS, GROUPS, *RUN_KINDS)
 TEXT_CHARS = 80  # of each sample's text
 PROMPT_CHARS = 200  # of a prompt, or of each chat message
 VALUE_CHARS = 120  # of a plain field's value
+SUMMARY_CHARS = codec.SUMMARY_MAX  # of a group entry's summary: what our writer may write
 # Fields of a group entry (a dead letter carries them too) that hold packed token arrays.
 TOKEN_FIELDS = frozenset({"prompt_ids", "response_ids", "logprobs"})
 _ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
@@ -82,8 +83,12 @@ def describe(kind: str, entry_id: str, fields: Mapping[bytes, bytes]) -> dict[st
     try:
         # the library's own dispatch: the groups stream is read as groups (read_batch),
         # the pools as groups or prompts by their fields (ReplayBuffer._claims)
-        if kind == "groups" or codec.is_group_entry(fields):
+        if kind == GROUPS or codec.is_group_entry(fields):
             out.update(_group(codec.decode_group(fields)))
+            # the writer's line about the group (codec.group_summary); older writers, and
+            # buffer.summary off, wrote none
+            summary = fields.get(b"summary")
+            out["summary"] = None if summary is None else _text(summary)
         else:
             out.update(_prompt(codec.decode_prompt(fields)))
     except RollstreamError as exc:
@@ -232,6 +237,8 @@ def _format_group(head: str, g: Mapping[str, Any]) -> str:
         f"status {g['status']}  n {g['n']}  attempt {g['attempt']}  producer {_safe(g['producer']) or '-'}",
         f"  prompt_tokens {g['prompt_tokens']}  response_tokens {g['response_tokens']}  reward_mean {mean}",
     ]
+    if g.get("summary") is not None:
+        lines.append(f"  summary {_cut(_safe(g['summary']), SUMMARY_CHARS)}")
     lines += _format_prompt(g["prompt"])
     for i, s in enumerate(g["samples"]):
         # "3 x120, 4 x8": step 3 made the first 120 tokens, step 4 the 8 after them

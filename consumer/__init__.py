@@ -1,25 +1,51 @@
 """What a trainer uses from rollstream: read batches, commit them after the optimizer
-step, publish weights, and the batch-level coordinator. The stream format underneath is
-docs/stream-format.md; a trainer in another language follows that instead.
+step, publish weights, and the batch-level coordinator; with the records, settings and
+errors that appear in those signatures, so that a trainer imports from here only. The
+stream format underneath is docs/stream-format.md; a trainer in another language
+follows that instead.
 
-    from consumer import BatchReader, publish_weights
+    from rollstream.consumer import BatchReader, connect, load_settings, publish_weights
 
-    reader = BatchReader(client, settings)
+    settings = load_settings()              # ROLLSTREAM_* variables, rollstream.toml
+    reader = BatchReader(connect(settings), settings)
     batch = reader.get_batch(step)          # this step's groups, stale ones expired
     ...                                     # the optimizer step
     batch.commit()                          # ack + delete, then train_step = step
     publish_weights(reader.control, step, uri)
+
+A trainer without a BatchReader publishes through ``control_for(client, settings)``.
 """
 
-from consumer.batches import BatchReader, TrainBatch
-from consumer.coordinator import BatchCoordinator
-from consumer.weights import SyncTimeout, publish_weights, wait_for_producers
+from rollstream.consumer.batches import BatchReader, TrainBatch
+from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.consumer.weights import (
+    SyncTimeout,
+    connect,
+    control_for,
+    publish_weights,
+    wait_for_producers,
+)
+from rollstream.shared.buffer import Batch
+from rollstream.shared.errors import BatchTimeout
+from rollstream.shared.events import RunControl
+from rollstream.shared.records import Group, Prompt, Sample
+from rollstream.shared.settings import Settings, load_settings
 
 __all__ = [
+    "Batch",
     "BatchCoordinator",
     "BatchReader",
+    "BatchTimeout",
+    "Group",
+    "Prompt",
+    "RunControl",
+    "Sample",
+    "Settings",
     "SyncTimeout",
     "TrainBatch",
+    "connect",
+    "control_for",
+    "load_settings",
     "publish_weights",
     "wait_for_producers",
 ]

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.allocation import allocate_batch_sizes
-from shared.buffer import Batch, BatchItem, ReplayBuffer
-from shared.errors import BatchTimeout
-from shared.events import RunControl
-from shared.records import Group
-from shared.settings import Settings
+from rollstream.shared.allocation import allocate_batch_sizes
+from rollstream.shared.buffer import Batch, BatchItem, ReplayBuffer
+from rollstream.shared.errors import BatchTimeout
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import TRAINER_CONSUMER
+from rollstream.shared.records import Group
+from rollstream.shared.settings import Settings
 
 POLL_MS = 100
 
@@ -61,7 +62,7 @@ class BatchReader:
     """The trainer's side of the replay buffer. One per trainer process, with a stable
     consumer name (a restarted trainer re-reads its own uncommitted groups)."""
 
-    def __init__(self, client: redis.Redis, settings: Settings, consumer: str = "trainer") -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, consumer: str = TRAINER_CONSUMER) -> None:
         self.settings = settings
         self.buffer = ReplayBuffer(client, settings, consumer)
         self.control = RunControl(client, self.buffer.keys)

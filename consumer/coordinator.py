@@ -39,13 +39,13 @@ from typing import Any
 import orjson
 import redis
 
-from consumer.metrics import eval_metrics
-from shared import codec
-from shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer, default_consumer_name
-from shared.errors import BatchTimeout, DecodeError, ReplayBufferError
-from shared.keys import EVALS, progress_field
-from shared.records import Group, Prompt, Status
-from shared.settings import Settings, validate_name
+from rollstream.consumer.metrics import eval_metrics
+from rollstream.shared import codec
+from rollstream.shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer, default_consumer_name
+from rollstream.shared.errors import BatchTimeout, DecodeError, ReplayBufferError
+from rollstream.shared.keys import EVALS, GROUP_OF_KIND, POOLS, PROMPTS, Count, progress_field
+from rollstream.shared.records import Group, Prompt, Status
+from rollstream.shared.settings import Settings, validate_name
 
 POLL_S = 0.05
 LEASE_S = 10.0  # renewed every third of it; a dead finalizer's batch is taken over once it runs out
@@ -153,7 +153,7 @@ class BatchCoordinator:
         ]
         wait = len(tagged) if min_wait_num is None else min_wait_num
         self.client.hset(key, mapping={"kind": kind, "total": len(tagged), "min_wait_num": wait})
-        self.buffer.feed(tagged, pool=EVALS if kind == "eval" else "prompts")
+        self.buffer.feed(tagged, pool=EVALS if kind == "eval" else PROMPTS)
         self._transition(keys=[key], args=[BatchStatus.PENDING.value, BatchStatus.RUNNING.value])
         return len(tagged)
 
@@ -322,11 +322,11 @@ class BatchCoordinator:
         prefix = f"{batch_id}/".encode()
         removed = 0
         for task in (t.name for t in self.settings.tasks):
-            for pool in (EVALS, "prompts", "aborted", "expired"):
+            for pool in (EVALS, *POOLS):
                 stream = self.keys.stream(pool, task)
                 pending = {
                     p["message_id"]
-                    for p in self.client.xpending_range(stream, "producers", "-", "+", 100_000)
+                    for p in self.client.xpending_range(stream, GROUP_OF_KIND[pool], "-", "+", 100_000)
                 }
                 ids = [
                     i
@@ -336,7 +336,7 @@ class BatchCoordinator:
                 if ids:
                     gone = int(self.client.xdel(stream, *ids))
                     # counted, so that `rollstream status` accounts for them as dropped
-                    self.client.hincrby(self.keys.progress, progress_field(task, "removed"), gone)
+                    self.client.hincrby(self.keys.progress, progress_field(task, Count.REMOVED), gone)
                     removed += gone
         return removed
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from shared.records import Group
+from rollstream.shared.records import Group
 
 Reduce = Callable[[npt.NDArray[np.float64]], float]
 

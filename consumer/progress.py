@@ -13,18 +13,17 @@ from typing import Any
 
 import redis
 
-from shared.allocation import allocate_batch_sizes
-from shared.keys import MODEL_STEP, TRAIN_STEP, Keys, progress_field
-from shared.settings import Settings
-from shared.streams import stored_float, stored_int, stored_step
-
-COUNTERS = (
-    "fed", "completed", "consumed", "filtered", "aborted", "expired", "expired_dropped", "dead",
-    "produced_samples", "produced_tokens", "reward_count", "reward_sum",
-)  # fmt: skip
+from rollstream.shared.allocation import allocate_batch_sizes
+from rollstream.shared.keys import MODEL_STEP, TRAIN_STEP, Count, Keys, progress_field
+from rollstream.shared.settings import Settings
+from rollstream.shared.streams import stored_float, stored_int, stored_step
 
 
 class ProduceProgress:
+    """Every counter of the run's tasks (keys.Count), and its steps. A checkpoint holds
+    every counter: one that left, say, groups_dead out would bring a run that lost its
+    Redis back with admission counting those groups as trainable again."""
+
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.client = client
         self.keys = Keys(settings.run)
@@ -35,12 +34,14 @@ class ProduceProgress:
 
     def counts(self, task: str) -> dict[str, float]:
         """The task's counters; CorruptValueError names one that holds something else."""
-        names = [progress_field(task, c) for c in COUNTERS]
+        names = [progress_field(task, c) for c in Count]
         values: list[Any] = self.client.hmget(self.keys.progress, names)
         key = self.keys.progress
         return {
-            c: stored_float(v, key, name) if c == "reward_sum" else stored_int(v, key, name, "a count")
-            for c, name, v in zip(COUNTERS, names, values, strict=True)
+            c.value: stored_float(v, key, name)
+            if c == Count.REWARD_SUM
+            else stored_int(v, key, name, "a count")
+            for c, name, v in zip(Count, names, values, strict=True)
         }
 
     def _steps(self) -> tuple[int, int]:
@@ -62,9 +63,9 @@ class ProduceProgress:
         """Restore a checkpoint's counts; each counter becomes max(now, saved)."""
         for task, counts in state["tasks"].items():
             now = self.counts(task)
-            for counter in COUNTERS:
-                saved = counts.get(counter, 0)
-                if saved > now[counter]:
+            for counter in Count:
+                saved = counts.get(counter.value, 0)
+                if saved > now[counter.value]:
                     self.client.hset(self.keys.progress, progress_field(task, counter), saved)
         current_train, current_model = self._steps()
         train_step = max(current_train, int(state["next_consumer_step"]) - 1)

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from producer.prompts import UidCheck, check_readable, iter_lines, parse_prompt
-from shared.buffer import FEED_CHUNK, ReplayBuffer
-from shared.errors import FeederError, InputError
-from shared.records import Prompt
+from rollstream.producer.prompts import UidCheck, check_readable, iter_lines, parse_prompt
+from rollstream.shared.buffer import FEED_CHUNK, ReplayBuffer
+from rollstream.shared.errors import FeederError, InputError
+from rollstream.shared.records import Prompt
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,18 @@
-"""Group filters (is_valid) and the should-continue rule of the produce loop.
+"""The filter plug-in points: group filters (``producer.is_valid``) and the
+should-continue rule of the produce loop (``producer.should_continue``). Filter
+authors import from here only.
 
 ``is_valid(group) -> bool`` decides whether a completed, judged group is worth
 training on; a rejected group is counted as FILTERED and dropped.
-``should_continue(completed, target) -> bool`` decides whether a producer keeps
-generating for a batch. Both are plug-ins: a built-in name or a dotted path,
-resolved like judges.
+``should_continue(completed, target) -> bool`` decides whether a producer in sync
+mode keeps generating for a batch. Both are a built-in name (``BUILTIN_FILTERS``,
+``BUILTIN_SHOULD_CONTINUE``) or a dotted path ``package.module:attr``, resolved like
+judges (a class there is built with no arguments).
+
+    from rollstream.producer.filters import Group
+
+    def long_enough(group: Group) -> bool:  # producer.is_valid = "mypkg.filters:long_enough"
+        return all(len(s.response_ids) >= 8 for s in group.samples)
 """
 
 from __future__ import annotations
@@ -12,9 +20,24 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import cast
 
-from producer.judges.registry import load_callable
-from shared.errors import SettingsError
-from shared.records import Group
+from rollstream.producer.judges.registry import load_callable
+from rollstream.shared.errors import SettingsError
+from rollstream.shared.records import Group, Prompt, Sample
+
+__all__ = [
+    "BUILTIN_FILTERS",
+    "BUILTIN_SHOULD_CONTINUE",
+    "Group",
+    "IsValid",
+    "Prompt",
+    "Sample",
+    "ShouldContinue",
+    "below_target",
+    "keep_all",
+    "load_filter",
+    "load_should_continue",
+    "nonzero_reward_std",
+]
 
 IsValid = Callable[[Group], bool]
 ShouldContinue = Callable[[int, int], bool]
@@ -65,8 +88,11 @@ def _load(spec: str, kind: str, builtins: Mapping[str, Callable[..., bool]]) -> 
 
 
 def load_filter(spec: str) -> IsValid:
+    """The group filter ``spec`` names: a built-in or a dotted path; a SettingsError
+    naming the spec and what is wrong otherwise."""
     return _load(spec, "filter", BUILTIN_FILTERS)
 
 
 def load_should_continue(spec: str) -> ShouldContinue:
+    """The should-continue rule ``spec`` names: a built-in or a dotted path."""
     return _load(spec, "should_continue", BUILTIN_SHOULD_CONTINUE)

@@ -1,6 +1,11 @@
 """One group's life on the producer: generate (retrying elsewhere on failure or
 timeout, continuing partial samples), judge, filter, settle the claim.
 
+Generating is the agent's (producer/agents, ``producer.agent``): it makes each
+sample's trajectory, one response or many turns, through the engine calls of one
+attempt (``Rollout``). An attempt that fails on an engine is retried on another with
+the samples as they were before it.
+
 The outcome of a claim is one of: completed (group appended), filtered (counted,
 dropped), aborted (back to the aborted pool, with partial samples when partial
 rollout is on), failed (dead-lettered after max_attempts), fenced (the claim
@@ -13,24 +18,26 @@ import asyncio
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import redis
 
-from producer.engines.base import FINISH_ABORT, FINISH_LENGTH, Generation, SamplingParams
-from producer.judges.base import Judge, JudgeError, apply_rewards
-from producer.judges.rq import RQJudge
-from producer.pool import BasePool
-from producer.tokenizer import Tokenizer
-from shared.buffer import Claim, ReplayBuffer
-from shared.keys import EVALS
-from shared.records import Group, Sample, Status
-from shared.settings import Settings
+from rollstream.producer.agents.base import Agent, AgentConfig, Request, Rollout
+from rollstream.producer.agents.single import SingleTurnAgent
+from rollstream.producer.engines.base import FINISH_LENGTH, Generation, SamplingParams
+from rollstream.producer.judges.base import Judge, JudgeError, apply_rewards
+from rollstream.producer.judges.rq import RQJudge
+from rollstream.producer.pool import BasePool
+from rollstream.producer.tokenizer import Tokenizer
+from rollstream.shared.buffer import Claim, ReplayBuffer
+from rollstream.shared.keys import EVALS
+from rollstream.shared.records import Group, Prompt, Sample, Status
+from rollstream.shared.settings import ProducerSettings, Settings
 
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
 DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
+SAMPLING_META = "sampling"  # a prompt's own temperature / top_p, over the producer's (prompt_sampling)
 
 
 @dataclass(slots=True)
@@ -116,6 +123,7 @@ class GroupRunner:
         judge: Judge,
         is_valid: Callable[[Group], bool],
         rq_judge: RQJudge | None = None,
+        agent: Agent | None = None,
     ) -> None:
         self.settings = settings
         self.buffer = buffer
@@ -124,8 +132,11 @@ class GroupRunner:
         self.judge = judge
         self.is_valid = is_valid
         self.rq_judge = rq_judge
+        mode = settings.rollout.on_weight_sync
+        self.agent = agent or SingleTurnAgent(AgentConfig.from_settings(settings.producer, mode))
         self.recent_s: deque[float] = deque(maxlen=64)
         self.inflight: set[str] = set()  # request ids, for aborts
+        self.rollouts: set[Rollout] = set()  # the attempts generating now
         self.completions = Completions(buffer)
         self.retries = 0
         self.window = Window()  # what completed groups brought since the last metrics record
@@ -171,13 +182,13 @@ class GroupRunner:
     # --- generate ----------------------------------------------------------------------
 
     async def generate(self, claim: Claim) -> list[Sample]:
-        """The group's n samples: fresh, or the partial ones continued. Retries a failed
-        or timed-out attempt on another engine, up to max_attempts."""
+        """The group's n samples: fresh, or the partial ones continued, by the agent.
+        Retries a failed or timed-out attempt on another engine, up to max_attempts."""
         n = self.settings.task(claim.task).n
         prompt_ids = self.tokenizer.encode(claim.prompt.prompt)
         max_tokens = self.settings.producer.max_tokens
         for s in claim.partial:  # interrupted with nothing left to generate: it is complete
-            if s.status is Status.ABORTED and len(s.response_ids) >= max_tokens:
+            if s.status is Status.ABORTED and s.turns is None and len(s.response_ids) >= max_tokens:
                 s.status, s.finish_reason = Status.COMPLETED, FINISH_LENGTH
         kept = [s for s in claim.partial if s.status is not Status.ABORTED]
         to_continue = [s for s in claim.partial if s.status is Status.ABORTED]
@@ -185,53 +196,78 @@ class GroupRunner:
             to_continue = [_empty(prompt_ids) for _ in range(n)]
         if not to_continue:
             return kept
+        sampling = prompt_sampling(claim.prompt, self.settings.producer)
         avoid: list[int] = []
         last_error = ""
         for attempt in range(1, self.settings.buffer.max_attempts + 1):
             request_id = f"{claim.group_id}#{claim.entry.id}#{attempt}"
+            rollout = Rollout(
+                claim.prompt,
+                prompt_ids,
+                self.tokenizer,
+                self._attempt(avoid, sampling),
+                request_id,
+                self.settings.rollout.on_weight_sync,
+            )
+            self.rollouts.add(rollout)
             try:
-                continued = await self._continue(prompt_ids, to_continue, request_id, avoid)
+                continued = await self.agent.run_group(rollout, to_continue)
                 return kept + continued
             except _AttemptFailed as exc:
                 last_error = str(exc)
                 avoid.append(exc.engine)
                 self.retries += 1
+                # the attempt's other requests were cancelled here, but an engine in another
+                # process goes on with them until it is told (a request it finished ignores it)
+                if len(rollout.issued) > 1:
+                    await self.pool.abort(rollout.issued)
+            finally:
+                self.rollouts.discard(rollout)
         raise GroupFailed(f"{self.settings.buffer.max_attempts} attempts, last: {last_error}")
 
-    async def _continue(
-        self, prompt_ids: list[int], samples: list[Sample], request_id: str, avoid: list[int]
-    ) -> list[Sample]:
-        max_tokens = self.settings.producer.max_tokens
-        if all(len(s.response_ids) == 0 for s in samples):
-            # fresh samples: one request of n, so that one engine's prefix cache serves all
-            gens = await self._request(prompt_ids, len(samples), max_tokens, request_id, avoid)
-            return [_sample(prompt_ids, g) for g in gens]
-        # partial samples: each goes on from its own tokens with what is left of max_tokens
-        parts = [
-            self._request(
-                prompt_ids + s.response_ids.tolist(),
-                1,
-                max_tokens - len(s.response_ids),
-                f"{request_id}.{i}",
-                avoid,
-            )
-            for i, s in enumerate(samples)
-        ]
-        results = await asyncio.gather(*parts, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return [_merge(prompt_ids, s, r[0]) for s, r in zip(samples, results, strict=True)]  # type: ignore[index]
+    async def abort_all(self) -> None:
+        """Stop what this runner generates (a pause, a stop): every attempt starts no new
+        engine request, so that an agent's trajectory between two turns ends at its last
+        complete one too, and the requests in flight are aborted."""
+        for rollout in self.rollouts:
+            rollout.aborting = True
+        if self.inflight:
+            await self.pool.abort(list(self.inflight))
+
+    def _attempt(self, avoid: list[int], sampling: tuple[float, float]) -> Request:
+        """The engine calls of one attempt. Its later requests (an agent's next turns) go
+        to the engine that served its first: that engine's prefix cache holds their
+        history, as it holds the prompt of a group's n samples."""
+        pinned: list[int] = []
+
+        async def request(
+            ids: list[int], n: int, max_tokens: int, request_id: str, stop: Sequence[str]
+        ) -> list[Generation]:
+            engine = pinned[0] if pinned else self.pool.pick(avoid)
+            generations = await self._request(ids, n, max_tokens, request_id, avoid, stop, sampling, engine)
+            pinned[:] = pinned or [engine]
+            return generations
+
+        return request
 
     async def _request(
-        self, prompt_ids: list[int], n: int, max_tokens: int, request_id: str, avoid: list[int]
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        request_id: str,
+        avoid: list[int],
+        stop: Sequence[str] = (),
+        sampling: tuple[float, float] | None = None,
+        engine: int | None = None,
     ) -> list[Generation]:
         p = self.settings.producer
-        params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p)
+        temperature, top_p = sampling or (p.temperature, p.top_p)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop))
         self.inflight.add(request_id)
         try:
             # placed here, not in the pool, so that a timeout is blamed on the engine that ran it
-            engine = self.pool.pick(avoid)
+            engine = self.pool.pick(avoid) if engine is None else engine
             call = self.pool.generate(prompt_ids, params, n, request_id, engine=engine)
             timeout = self.timeout_s()
             try:
@@ -273,6 +309,23 @@ class GroupRunner:
         apply_rewards(group.samples, rewards)
 
 
+def prompt_sampling(prompt: Prompt, producer: ProducerSettings) -> tuple[float, float]:
+    """(temperature, top_p) for the prompt: producer.temperature and .top_p, or what its
+    ``meta["sampling"]`` sets (an eval prompt decoded greedily has
+    ``{"sampling": {"temperature": 0}}``). A bad one fails the group, naming it."""
+    own = prompt.meta.get(SAMPLING_META)
+    if own is None:
+        return producer.temperature, producer.top_p
+    where = f"prompt {prompt.group_id}: meta[{SAMPLING_META!r}]"
+    if not isinstance(own, dict) or set(own) - {"temperature", "top_p"}:
+        raise GroupFailed(f"{where} must be an object of temperature and top_p, got {own!r}")
+    temperature, top_p = own.get("temperature", producer.temperature), own.get("top_p", producer.top_p)
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (temperature, top_p))
+    if not numbers or not (temperature >= 0 and 0 < top_p <= 1):
+        raise GroupFailed(f"{where} needs temperature >= 0 and 0 < top_p <= 1, got {own!r}")
+    return float(temperature), float(top_p)
+
+
 class _AttemptFailed(Exception):
     def __init__(self, engine: int, reason: str) -> None:
         super().__init__(reason)
@@ -281,26 +334,3 @@ class _AttemptFailed(Exception):
 
 def _empty(prompt_ids: list[int]) -> Sample:
     return Sample(prompt_ids, [], [], [], status=Status.ABORTED)
-
-
-def _sample(prompt_ids: list[int], gen: Generation) -> Sample:
-    aborted = gen.finish_reason == FINISH_ABORT
-    return Sample(
-        prompt_ids=prompt_ids,
-        response_ids=gen.response_ids,
-        logprobs=gen.logprobs,
-        response_versions=gen.versions,
-        finish_reason=gen.finish_reason,
-        status=Status.ABORTED if aborted else Status.COMPLETED,
-        text=gen.text,
-    )
-
-
-def _merge(prompt_ids: list[int], before: Sample, gen: Generation) -> Sample:
-    """A partial sample continued: its tokens, then the new ones (with their versions)."""
-    merged = _sample(prompt_ids, gen)
-    merged.response_ids = np.concatenate([before.response_ids, merged.response_ids])
-    merged.logprobs = np.concatenate([before.logprobs, merged.logprobs])
-    merged.response_versions = np.concatenate([before.response_versions, merged.response_versions])
-    merged.text = before.text + merged.text
-    return merged

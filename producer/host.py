@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from producer.engines.base import Engine, EngineError, EngineHealth, Generation, SamplingParams
+from rollstream.producer.engines.base import Engine, EngineError, EngineHealth, Generation, SamplingParams
 
 
 class StaleWeights(EngineError):

@@ -28,12 +28,12 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from producer.engines import make_engine
-from producer.engines.base import Engine, EngineHealth, Generation, SamplingParams, dumps, loads
-from producer.host import EngineHost, StaleWeights
-from shared.errors import RollstreamError
-from shared.settings import EngineSettings, Settings
-from shared.waiting import NotYet, wait_until
+from rollstream.producer.engines import make_engine
+from rollstream.producer.engines.base import Engine, EngineHealth, Generation, SamplingParams, dumps, loads
+from rollstream.producer.host import EngineHost, StaleWeights
+from rollstream.shared.errors import RollstreamError
+from rollstream.shared.settings import EngineSettings, Settings
+from rollstream.shared.waiting import NotYet, wait_until
 
 ANSWER_TIMEOUT_S = 5.0  # an engine that takes longer to report its health is not answering
 log = logging.getLogger(__name__)
@@ -103,6 +103,16 @@ def _ask_for_token_auth() -> None:
         _enable_token_auth()
     except ImportError:
         os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def engine_env(engines: EngineSettings, index: int) -> dict[str, str]:
+    """Environment variables of engine actor ``index`` alone: the CPU cores of a vLLM
+    engine's threads (engines.vllm.cpu_threads_bind), which vLLM on a CPU otherwise
+    binds to the same cores in every engine of the machine."""
+    binds = engines.vllm.cpu_threads_bind
+    if engines.kind == "vllm" and index < len(binds):
+        return {"VLLM_CPU_OMP_THREADS_BIND": binds[index]}
+    return {}
 
 
 @ray.remote
@@ -299,6 +309,8 @@ class EnginePool(BasePool):
             }
             if detached:
                 options["lifetime"] = "detached"
+            if env := engine_env(engines, i):
+                options["runtime_env"] = {"env_vars": env}
             handles.append(EngineActor.options(**options).remote(payload, i))  # type: ignore[attr-defined]
         pool = cls(settings.run, handles)
         ray.get([h.health.remote() for h in handles])

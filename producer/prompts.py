@@ -19,8 +19,8 @@ from typing import Any
 
 import orjson
 
-from shared.errors import InputError, PromptFileError
-from shared.records import Prompt
+from rollstream.shared.errors import InputError, PromptFileError
+from rollstream.shared.records import Prompt
 
 KNOWN = ("uid", "prompt", "messages", "meta", "prompt_ids")
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -118,20 +118,18 @@ def check_readable(path: Path) -> None:
 
 class UidCheck:
     """Two lines of one file with the same uid are an error naming both lines, or, with
-    ``first_wins``, the later ones are skipped and counted."""
+    ``first_wins``, the later ones are skipped."""
 
     def __init__(self, path: str, first_wins: bool = False) -> None:
         self.path = path
         self.first_wins = first_wins
         self.seen: dict[str, int] = {}
-        self.skipped = 0
 
     def keep(self, prompt: Prompt, line: int) -> bool:
         first = self.seen.setdefault(prompt.uid, line)
         if first == line:
             return True
         if self.first_wins:
-            self.skipped += 1
             return False
         raise PromptFileError(self.path, line, f"uid {prompt.uid!r} again: line {first} has it already")
 

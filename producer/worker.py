@@ -28,18 +28,21 @@ from typing import Any, TypeVar
 
 import redis
 
-from producer.filters import load_filter, load_should_continue
-from producer.group import ABORTED, FAILED, FILTERED, GroupRunner, Window
-from producer.judges.registry import load_judge
-from producer.judges.rq import RQJudge
-from producer.pool import BasePool
-from producer.tokenizer import make_tokenizer
-from shared.allocation import allocate_batch_sizes, over_sample_budget
-from shared.buffer import Claim, ReplayBuffer, default_consumer_name
-from shared.errors import RollstreamError, SettingsError
-from shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
-from shared.liveness import Liveness
-from shared.settings import Settings
+from rollstream.producer.agents.base import AgentConfig
+from rollstream.producer.agents.registry import load_agent
+from rollstream.producer.filters import load_filter, load_should_continue
+from rollstream.producer.group import ABORTED, FAILED, FILTERED, GroupRunner, Window
+from rollstream.producer.judges.registry import load_judge
+from rollstream.producer.judges.rq import RQJudge
+from rollstream.producer.pool import BasePool
+from rollstream.producer.tokenizer import make_tokenizer
+from rollstream.shared.allocation import allocate_batch_sizes, over_sample_budget
+from rollstream.shared.buffer import Claim, ReplayBuffer, default_consumer_name
+from rollstream.shared.errors import RollstreamError, SettingsError
+from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
+from rollstream.shared.keys import EVALS
+from rollstream.shared.liveness import Liveness
+from rollstream.shared.settings import Settings
 
 POLL_S = 0.05
 SETTLE_S = 2.0  # at a stop, how long aborted groups get to settle before they are cancelled
@@ -109,6 +112,7 @@ class Producer:
         self.pool = pool
         p = settings.producer
         rq_judge = RQJudge(client, p.judge, p.judge_timeout_s, settings.buffer.max_attempts - 1)
+        agent_config = AgentConfig.from_settings(p, settings.rollout.on_weight_sync)
         self.runner = GroupRunner(
             settings,
             self.buffer,
@@ -117,6 +121,7 @@ class Producer:
             _plugin(load_judge, p.judge, "judge"),
             _plugin(load_filter, p.is_valid, "is_valid"),
             rq_judge if p.judge_on_queue else None,
+            _plugin(lambda spec: load_agent(spec, agent_config), p.agent, "agent"),
         )
         weights = {t.name: t.weight for t in settings.tasks}
         self.batch = allocate_batch_sizes(settings.rollout.batch_size, weights)
@@ -186,6 +191,9 @@ class Producer:
             if room - len(claims) <= 0:
                 break
             if not self.should_continue(task):
+                # sync mode with the batch done: eval prompts (and claims of dead producers,
+                # admitted already) are still served; limit 0 admits nothing new
+                claims += self.buffer.claim(task, room - len(claims), limit=0)
                 continue
             got = self.buffer.claim(
                 task, room - len(claims), include_expired=self._expired_first(task), limit=self.limit(task)
@@ -223,9 +231,14 @@ class Producer:
         to the aborted pool (its partial tokens with it, in partial mode)."""
         if self.settings.rollout.mode != "sync" or not self.runner.inflight:
             return
+        evals = tuple(f"{c.group_id}#{c.entry.id}#" for c in self.inflight.values() if c.source == EVALS)
         for task in self.batch:
             if self.buffer.accepted(task) >= self._sync_target(task):
-                ids = [rid for rid in self.runner.inflight if rid.startswith(f"{task}:")]
+                ids = [
+                    rid
+                    for rid in self.runner.inflight
+                    if rid.startswith(f"{task}:") and not rid.startswith(evals)  # evals are no leftovers
+                ]
                 if ids:
                     await self.pool.abort(ids)
 
@@ -289,8 +302,8 @@ class Producer:
         back to the aborted pool (with its tokens, in partial mode), so the engines idle."""
         self.paused = True
         mode = self.settings.rollout.on_weight_sync
-        if mode != "drain" and self.runner.inflight:
-            await self.pool.abort(list(self.runner.inflight))
+        if mode != "drain":
+            await self.runner.abort_all()
         log.info("run paused: producer %s claims nothing (%d groups in flight, %s)",
                  self.name, len(self.inflight), mode)  # fmt: skip
 
@@ -383,7 +396,7 @@ class Producer:
             await asyncio.wait(self.inflight, timeout=grace_s)
         pending = [t for t in self.inflight if not t.done()]
         if pending:
-            await self.pool.abort(list(self.runner.inflight))
+            await self.runner.abort_all()
             _, still = await asyncio.wait(pending, timeout=min(grace_s, SETTLE_S))
             for task in still:
                 task.cancel()

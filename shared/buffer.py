@@ -24,29 +24,36 @@ from typing import Any
 
 import redis
 
-from shared import codec
-from shared.errors import DecodeError, FeederError, ReplayBufferError
-from shared.keys import (
+from rollstream.shared import codec
+from rollstream.shared.errors import DecodeError, FeederError, ReplayBufferError
+from rollstream.shared.keys import (
+    ABORTED,
     EVALS,
+    EXPIRED,
     GROUP_OF_KIND,
+    GROUPS,
     POOLS,
     PRODUCERS,
+    PROMPTS,
     TRAINER,
     UNTRAINABLE,
+    Count,
     Keys,
-    feeder_field,
+    feeder_cursor_field,
     progress_field,
 )
-from shared.records import Group, Prompt, Sample, Status
-from shared.scripts import Scripts
-from shared.settings import Settings
-from shared.streams import ConsumerStreams, Entry, Settle, pairs, stored_int, text
+from rollstream.shared.records import Group, Prompt, Sample, Status
+from rollstream.shared.scripts import DEAD_HEADER, Scripts
+from rollstream.shared.settings import Settings
+from rollstream.shared.streams import ConsumerStreams, Entry, Settle, pairs, stored_int, text
 
 FEED_CHUNK = 500
 RECOVERED = "done"
 
 
 BATCH_META = "rollstream_batch"  # the coordinator batch a prompt belongs to, in its meta
+# The counter of a group dropped by the trainer side without being re-queued, by its status
+DROPPED_COUNT = {Status.EXPIRED: Count.EXPIRED_DROPPED, Status.ABORTED: Count.ABORTED_DROPPED}
 
 
 def eval_batch(prompt: Prompt) -> str:
@@ -141,14 +148,14 @@ class ReplayBuffer:
         entry: Entry,
         dest: str | None,
         fields: dict[str, Any] | None,
-        counter: str,
+        counter: Count,
         more: dict[str, float] | None = None,
     ) -> str | None:
         return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more)
 
     # --- feeding ---------------------------------------------------------------------
 
-    def feed(self, prompts: Iterable[Prompt], pool: str = "prompts") -> FeedResult:
+    def feed(self, prompts: Iterable[Prompt], pool: str = PROMPTS) -> FeedResult:
         """Append prompts to their tasks' ``pool`` (fresh prompts, or eval prompts with
         "evals"); a uid already fed is not stored again."""
         added = existing = 0
@@ -159,7 +166,7 @@ class ReplayBuffer:
             self.ensure(task)
             for start in range(0, len(items), FEED_CHUNK):
                 chunk = items[start : start + FEED_CHUNK]
-                args: list[Any] = [progress_field(task, "fed")]
+                args: list[Any] = [progress_field(task, Count.FED)]
                 for p in chunk:
                     fields = codec.encode_prompt(p)
                     args += [fields["uid"], fields["task"], fields["data"]]
@@ -173,7 +180,7 @@ class ReplayBuffer:
         """Append prompts and move the task's feeder cursor from ``expected`` to ``new``
         in one step; FeederError, with nothing written, when the cursor is elsewhere."""
         self.ensure(task)
-        args: list[Any] = [feeder_field(task, "cursor"), expected, new, progress_field(task, "fed")]
+        args: list[Any] = [feeder_cursor_field(task), expected, new, progress_field(task, Count.FED)]
         for p in prompts:
             fields = codec.encode_prompt(p)
             args += [fields["uid"], fields["task"], fields["data"]]
@@ -189,7 +196,7 @@ class ReplayBuffer:
             ) from None
 
     def feeder_cursor(self, task: str) -> str:
-        value = self.client.hget(self.keys.state, feeder_field(task, "cursor"))
+        value = self.client.hget(self.keys.state, feeder_cursor_field(task))
         return "" if value is None else text(value)
 
     def unclaimed(self, task: str) -> int:
@@ -222,7 +229,7 @@ class ReplayBuffer:
         the bound leaves room).
         """
         self.ensure(task)
-        kinds = [k for k in POOLS if include_expired or k != "expired"]
+        kinds = [k for k in POOLS if include_expired or k != EXPIRED]
         claims: list[Claim] = []
         for kind in (EVALS, *kinds):  # already admitted: a dead producer's claims do not count twice
             if len(claims) < count:
@@ -251,7 +258,8 @@ class ReplayBuffer:
                     entries += self.streams.read([kind], task, count - len(entries))
             return entries
         keys = [self.keys.aborted(task), self.keys.expired(task), self.keys.prompts(task), self.keys.progress]
-        args: list[Any] = [self.consumer, count, limit, "1" if "expired" in kinds else "0", task]
+        expired = "1" if EXPIRED in kinds else "0"
+        args: list[Any] = [PRODUCERS, self.consumer, count, limit, expired, *self._accepted_fields(task)]
         out = []
         for stream, entry_id, flat in self.scripts.claim_bounded(keys=keys, args=args):
             name = text(stream)
@@ -259,10 +267,15 @@ class ReplayBuffer:
             out.append(Entry(name, kind, task, text(entry_id), pairs(flat)))
         return out
 
+    @staticmethod
+    def _accepted_fields(task: str) -> list[str]:
+        """The counters of accepted groups: completed, then those subtracted from it."""
+        return [progress_field(task, c) for c in (Count.COMPLETED, *UNTRAINABLE)]
+
     def accepted(self, task: str) -> int:
         """Groups of the task that can still be trained on: completed, less those that left
         the groups stream untrained (expired, dropped, dead-lettered)."""
-        names = [progress_field(task, c) for c in ("completed", *UNTRAINABLE)]
+        names = self._accepted_fields(task)
         counts = self.client.hmget(self.keys.progress, names)
         completed, *gone = (
             stored_int(c, self.keys.progress, name, "a count") for c, name in zip(counts, names, strict=True)
@@ -327,22 +340,22 @@ class ReplayBuffer:
         status = group.status or Status.COMPLETED
         if status is not Status.COMPLETED:
             raise ReplayBufferError(f"only a completed group enters the buffer, not {status.value}")
-        fields = codec.encode_group_parts(group)
+        fields = codec.encode_group_parts(group, summary=self.settings.buffer.summary)
         if claim.source == EVALS:  # an eval result goes to its batch's stream, not to training
             results = self.keys.eval(eval_batch(claim.prompt))
-            return Settle(claim.entry, results, fields, progress_field(claim.task, "eval_completed"))
+            return Settle(claim.entry, results, fields, progress_field(claim.task, Count.EVAL_COMPLETED))
         scores = [s.score for s in group.samples if s.score is not None]
         produced: dict[str, float] = {
-            progress_field(claim.task, "produced_samples"): group.n,
-            progress_field(claim.task, "produced_tokens"): group.response_tokens,
-            progress_field(claim.task, "reward_count"): len(scores),
-            progress_field(claim.task, "reward_sum"): float(sum(scores)),
+            progress_field(claim.task, Count.PRODUCED_SAMPLES): group.n,
+            progress_field(claim.task, Count.PRODUCED_TOKENS): group.response_tokens,
+            progress_field(claim.task, Count.REWARD_COUNT): len(scores),
+            progress_field(claim.task, Count.REWARD_SUM): float(sum(scores)),
         }
         return Settle(
             claim.entry,
             self.keys.groups(claim.task),
             fields,
-            progress_field(claim.task, "completed"),
+            progress_field(claim.task, Count.COMPLETED),
             produced,
         )
 
@@ -357,13 +370,13 @@ class ReplayBuffer:
             attempt=claim.previous.attempt if claim.previous else 1,
             producer=self.consumer,
         )
-        fields = codec.encode_group(group)
-        pool = EVALS if claim.source == EVALS else "aborted"
-        return self._settle(claim.entry, self.keys.stream(pool, claim.task), fields, "aborted")
+        fields = codec.encode_group(group, summary=self.settings.buffer.summary)
+        pool = EVALS if claim.source == EVALS else ABORTED
+        return self._settle(claim.entry, self.keys.stream(pool, claim.task), fields, Count.ABORTED)
 
-    def drop(self, claim: Claim, status: Status = Status.FILTERED) -> bool:
-        """Ack + delete a claim without writing a group (filtered), counting it by status."""
-        return self._settle(claim.entry, None, None, status.value) is not None
+    def drop(self, claim: Claim) -> bool:
+        """Ack + delete a claim without writing a group: the filter rejected it."""
+        return self._settle(claim.entry, None, None, Count.FILTERED) is not None
 
     # --- trainer side ----------------------------------------------------------------
 
@@ -377,9 +390,9 @@ class ReplayBuffer:
         if self._recover_from.get(task) != RECOVERED:
             entries += self._own_pending(task, count)
         if len(entries) < count:
-            entries += self.reclaim("groups", task, count - len(entries))
+            entries += self.reclaim(GROUPS, task, count - len(entries))
         if len(entries) < count:
-            entries += self.streams.read(["groups"], task, count - len(entries), block_ms=block_ms)
+            entries += self.streams.read([GROUPS], task, count - len(entries), block_ms=block_ms)
         batch = Batch(task)
         for entry in entries:
             try:
@@ -395,7 +408,7 @@ class ReplayBuffer:
             return []
         ids = [item.entry.id for item in batch.items]
         keys = [self.keys.groups(batch.task), self.keys.progress]
-        args = [TRAINER, self.consumer, progress_field(batch.task, "consumed"), *ids]
+        args = [TRAINER, self.consumer, progress_field(batch.task, Count.CONSUMED), *ids]
         foreign = self.scripts.commit(keys=keys, args=args)
         return [text(i) for i in foreign]
 
@@ -414,12 +427,13 @@ class ReplayBuffer:
             producer=group.producer,
             created_at=group.created_at,
         )
-        fields = codec.encode_group(entry)
-        return self._settle(item.entry, self.keys.expired(group.task), fields, "expired")
+        fields = codec.encode_group(entry, summary=self.settings.buffer.summary)
+        return self._settle(item.entry, self.keys.expired(group.task), fields, Count.EXPIRED)
 
     def discard(self, item: BatchItem, status: Status = Status.EXPIRED) -> bool:
-        """Ack + delete a group without re-queueing it (expired groups when tail batch is -1)."""
-        return self._settle(item.entry, None, None, f"{status.value}_dropped") is not None
+        """Ack + delete a group without re-queueing it (expired groups when tail batch is -1,
+        late results of a finished coordinator batch as aborted)."""
+        return self._settle(item.entry, None, None, DROPPED_COUNT[status]) is not None
 
     # --- both sides ------------------------------------------------------------------
 
@@ -443,8 +457,8 @@ class ReplayBuffer:
             keys = [stream, self.keys.dead, self.keys.progress, self.keys.fence(stream)]
             args: list[Any] = [
                 GROUP_OF_KIND[kind], self.consumer, idle_ms, start, count - len(out),
-                self.settings.buffer.max_attempts, progress_field(task, "dead"),
-                progress_field(task, "groups_dead") if kind == "groups" else "",
+                self.settings.buffer.max_attempts, progress_field(task, Count.DEAD),
+                progress_field(task, Count.GROUPS_DEAD) if kind == GROUPS else "",
             ]  # fmt: skip
             cursor, claimed = self.scripts.reclaim(keys=keys, args=args)
             for entry_id, flat, deliveries in claimed:
@@ -470,24 +484,20 @@ class ReplayBuffer:
     def dead_letter(self, entry: Entry, reason: str) -> bool:
         """Move an entry to the dead-letter stream with the reason, its fields and the
         number of deliveries, and ack + delete it. The next entries keep flowing."""
-        fields: dict[str, Any] = {
-            "reason": reason,
-            "attempts": entry.deliveries,
-            "source": entry.stream,
-            "source_id": entry.id,
-        }
+        header = (reason, entry.deliveries, entry.stream, entry.id)
+        fields: dict[str, Any] = dict(zip(DEAD_HEADER, header, strict=True))
         for name, value in entry.fields.items():
             key = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
             fields[f"orig.{key}" if key in fields else key] = value
-        untrained = {progress_field(entry.task, "groups_dead"): 1.0} if entry.kind == "groups" else None
-        return self._settle(entry, self.keys.dead, fields, "dead", untrained) is not None
+        untrained = {progress_field(entry.task, Count.GROUPS_DEAD): 1.0} if entry.kind == GROUPS else None
+        return self._settle(entry, self.keys.dead, fields, Count.DEAD, untrained) is not None
 
     # --- mechanics -------------------------------------------------------------------
 
     def _own_pending(self, task: str, count: int) -> list[Entry]:
         stream = self.keys.groups(task)
         start = self._recover_from.get(task, "0")
-        read = self.streams.read(["groups"], task, count, start=start)
+        read = self.streams.read([GROUPS], task, count, start=start)
         self._recover_from[task] = read[-1].id if len(read) == count else RECOVERED
         entries = []
         for entry in read:

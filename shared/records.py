@@ -23,6 +23,8 @@ PromptText: TypeAlias = str | list[dict[str, Any]]
 
 ID_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
+MASK_DTYPE = np.dtype("u1")
+MaskArray: TypeAlias = npt.NDArray[np.uint8]
 
 # Every step shares one bound, the version dtype's: a model step is stamped on each response
 # token as an int32 version (ID_DTYPE), and a train step becomes the model step of the
@@ -75,6 +77,26 @@ def _flat(values: npt.ArrayLike, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     return np.ascontiguousarray(values, dtype=dtype).reshape(-1)
 
 
+# Who speaks in a turn of an agent trajectory: the model, or what answers it (an
+# environment's observation, a tool's result). Only model turns are trained on.
+MODEL, ENV, TOOL = "model", "env", "tool"
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn of an agent trajectory (producer/agents): the next ``length`` tokens of
+    the sample's response, spoken by ``role``. A trajectory's turns cover its response
+    tokens exactly, in order; ``length`` 0 is a turn the model never saw (an environment
+    that failed as the trajectory ended)."""
+
+    role: str  # MODEL, ENV or TOOL (a plug-in agent may name others: not the model's)
+    length: int
+    text: str = ""  # the turn's text: the engine's for a model turn, as tokenised for others
+    reward: float | None = None  # a model turn: what the environment gave for its action
+    status: str | None = None  # a tool turn: ok, malformed, unknown_tool, timeout, error
+    name: str | None = None  # a tool turn: the tool called
+
+
 @dataclass(slots=True)
 class Prompt:
     uid: str
@@ -93,11 +115,17 @@ class Sample:
     """One response. ``response_versions[i]`` is the model step that produced token i.
 
     Token fields accept lists or arrays and are held as int32 / float32 arrays.
+
+    An agent trajectory (producer/agents) is one sample too: its response is every
+    token after the prompt, the model's turns and what answered them, in order.
+    ``loss_mask`` (uint8, one per response token) is 1 on the tokens the model
+    sampled, ``turns`` says which span is whose, ``agent_status`` how the trajectory
+    ended; all three are None for a plain response (every token the model's).
     """
 
     __slots__ = (
-        "finish_reason", "logprobs", "prompt_ids", "response_ids",
-        "response_versions", "reward", "status", "text",
+        "agent_status", "finish_reason", "logprobs", "loss_mask", "prompt_ids", "response_ids",
+        "response_versions", "reward", "status", "text", "turns",
     )  # fmt: skip
 
     def __init__(
@@ -110,6 +138,10 @@ class Sample:
         reward: dict[str, Any] | None = None,
         status: Status | str = Status.COMPLETED,
         text: str = "",
+        *,
+        loss_mask: npt.ArrayLike | None = None,
+        turns: list[Turn] | None = None,
+        agent_status: str | None = None,
     ) -> None:
         self.prompt_ids: IdArray = as_ids(prompt_ids)
         self.response_ids: IdArray = as_ids(response_ids)
@@ -119,11 +151,19 @@ class Sample:
         self.reward: dict[str, Any] = {} if reward is None else reward
         self.status = Status(status)
         self.text = text
+        self.loss_mask: MaskArray | None = None if loss_mask is None else _flat(loss_mask, MASK_DTYPE)
+        self.turns = turns
+        self.agent_status = agent_status
         n = len(self.response_ids)
         if len(self.response_versions) != n:
             raise ValueError(f"response_versions has {len(self.response_versions)} entries for {n} tokens")
         if len(self.logprobs) not in (0, n):
             raise ValueError(f"logprobs has {len(self.logprobs)} entries for {n} tokens")
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {n} tokens")
+        covered = n if turns is None else sum(t.length for t in turns)
+        if covered != n:
+            raise ValueError(f"turns cover {covered} tokens, not the {n} of the response")
 
     @classmethod
     def of_arrays(
@@ -137,6 +177,9 @@ class Sample:
         reward: dict[str, Any],
         status: Status,
         text: str,
+        loss_mask: MaskArray | None = None,
+        turns: list[Turn] | None = None,
+        agent_status: str | None = None,
     ) -> Sample:
         """A sample from arrays already of the right dtype and checked lengths (the
         codec's decoder): no conversion, no check."""
@@ -144,6 +187,7 @@ class Sample:
         sample.prompt_ids, sample.response_ids = prompt_ids, response_ids
         sample.logprobs, sample.response_versions = logprobs, response_versions
         sample.finish_reason, sample.reward, sample.status, sample.text = finish_reason, reward, status, text
+        sample.loss_mask, sample.turns, sample.agent_status = loss_mask, turns, agent_status
         return sample
 
     def __repr__(self) -> str:
@@ -161,8 +205,16 @@ class Sample:
             # bit-for-bit, so that NaN logprobs compare equal to themselves
             and self.logprobs.tobytes() == other.logprobs.tobytes()
             and np.array_equal(self.response_versions, other.response_versions)
-            and (self.finish_reason, self.reward, self.status, self.text)
-            == (other.finish_reason, other.reward, other.status, other.text)
+            and (self.finish_reason, self.reward, self.status, self.text, self.turns, self.agent_status)
+            == (other.finish_reason, other.reward, other.status, other.text, other.turns, other.agent_status)
+            and (
+                self.loss_mask is other.loss_mask
+                or (
+                    self.loss_mask is not None
+                    and other.loss_mask is not None
+                    and np.array_equal(self.loss_mask, other.loss_mask)
+                )
+            )
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable record

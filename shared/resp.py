@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 Buffer = bytes | bytearray | memoryview
-Chunks = tuple[Buffer, ...]
 
 FLUSH_BYTES = 1 << 20
 BIG = 4096  # an argument at least this long is copied into the buffer on its own

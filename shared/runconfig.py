@@ -17,10 +17,10 @@ from typing import Any
 import orjson
 import redis
 
-from shared.codec import FORMAT_VERSION, check_format
-from shared.errors import RunSettingsMismatch, SettingsError
-from shared.keys import FORMAT, RUN_SETTINGS, Keys
-from shared.settings import ENV_PREFIX, Settings
+from rollstream.shared.codec import FORMAT_VERSION, check_format
+from rollstream.shared.errors import RunSettingsMismatch, SettingsError
+from rollstream.shared.keys import FORMAT, RUN_SETTINGS, Keys
+from rollstream.shared.settings import ENV_PREFIX, Settings
 
 
 def agreed_settings(settings: Settings) -> dict[str, Any]:

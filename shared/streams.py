@@ -35,12 +35,12 @@ from typing import Any
 
 import redis
 
-from shared import codec
-from shared.errors import CorruptValueError, ReplayBufferError
-from shared.keys import GROUP_OF_KIND, Keys
-from shared.records import MAX_STEP
-from shared.resp import CommandWriter
-from shared.scripts import SETTLE_GATE
+from rollstream.shared import codec
+from rollstream.shared.errors import CorruptValueError, ReplayBufferError
+from rollstream.shared.keys import GROUP_OF_KIND, Keys
+from rollstream.shared.records import MAX_STEP
+from rollstream.shared.resp import CommandWriter
+from rollstream.shared.scripts import SETTLE_GATE
 
 
 def text(value: Any) -> str:
@@ -139,7 +139,8 @@ class ConsumerStreams:
         """XREADGROUP from the task's streams of ``kinds`` (one consumer group between
         them): new entries with ``start`` ">", this consumer's own pending ones after
         ``start`` otherwise (then ``deliveries`` is left 0: the caller looks it up)."""
-        streams: dict[Any, Any] = {self.keys.stream(kind, task): start for kind in kinds}
+        kind_of = {self.keys.stream(kind, task): kind for kind in kinds}
+        streams: dict[Any, Any] = dict.fromkeys(kind_of, start)
         groups = {GROUP_OF_KIND[kind] for kind in kinds}
         if len(groups) != 1:
             raise ValueError(f"stream kinds {kinds} are not read by one consumer group")
@@ -157,10 +158,8 @@ class ConsumerStreams:
         out = []
         for stream_name, items in reply or []:
             stream = text(stream_name)
-            parsed = self.keys.parse_stream(stream)
-            kind = parsed[0] if parsed else "prompts"
             for entry_id, fields in items:
-                out.append(Entry(stream, kind, task, text(entry_id), fields or {}, deliveries))
+                out.append(Entry(stream, kind_of[stream], task, text(entry_id), fields or {}, deliveries))
         return out
 
     def _xreadgroup(self, group: str, streams: dict[Any, Any], count: int, block_ms: int) -> Any:

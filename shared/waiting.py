@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.errors import WaitTimeout
+from rollstream.shared.errors import WaitTimeout
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

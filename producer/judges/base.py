@@ -14,8 +14,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from shared.errors import RollstreamError
-from shared.records import Prompt, Sample
+from rollstream.shared.errors import RollstreamError
+from rollstream.shared.records import Prompt, Sample
 
 Reward = dict[str, float]
 

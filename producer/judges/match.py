@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from producer.judges.base import JudgeError, Reward, ground_truth
-from shared.records import Prompt, Sample
+from rollstream.producer.judges.base import JudgeError, Reward, ground_truth
+from rollstream.shared.records import Prompt, Sample
 
 
 def _score(ok: bool) -> Reward:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from producer.judges.base import Reward, ground_truth
-from shared.records import Prompt, Sample
+from rollstream.producer.judges.base import Reward, ground_truth
+from rollstream.shared.records import Prompt, Sample
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 

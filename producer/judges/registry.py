@@ -1,6 +1,6 @@
 """Plug-ins by name: a built-in judge, or any callable named by a dotted path.
 
-A spec is a built-in name ("math", "exact", "regex") or a dotted path,
+A spec is a built-in name ("math", "exact", "regex", "reverse") or a dotted path,
 "package.module:attr" or "package.module.attr". A class found there is
 instantiated with no arguments; a function or callable object is used as it is.
 Every failure is a SettingsError that names the spec and what is wrong with it,
@@ -13,15 +13,17 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import cast
 
-from producer.judges.base import Judge
-from producer.judges.match import ExactMatchJudge, RegexJudge
-from producer.judges.math import MathJudge
-from shared.errors import SettingsError
+from rollstream.producer.judges.base import Judge
+from rollstream.producer.judges.match import ExactMatchJudge, RegexJudge
+from rollstream.producer.judges.math import MathJudge
+from rollstream.producer.judges.reverse import ReverseJudge
+from rollstream.shared.errors import SettingsError
 
 BUILTIN_JUDGES: Mapping[str, Callable[[], Judge]] = {
     "math": MathJudge,
     "exact": ExactMatchJudge,
     "regex": RegexJudge,
+    "reverse": ReverseJudge,  # the reverse task's (rollstream.cli.reverse)
 }
 
 
@@ -77,6 +79,9 @@ def load_callable(spec: str, kind: str) -> Callable[..., object]:
 
 
 def load_judge(spec: str) -> Judge:
+    """The judge ``spec`` names (``producer.judge``): a built-in, or a dotted path to a
+    callable (a class there is built with no arguments); otherwise a SettingsError that
+    names the spec and what is wrong with it."""
     spec = spec.strip()
     builtin = BUILTIN_JUDGES.get(spec)
     if builtin is not None:

@@ -27,10 +27,10 @@ from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from producer.judges.base import Judge, JudgeError, apply_rewards
-from producer.judges.registry import load_judge
-from shared.codec import prompt_from_dict, prompt_to_dict
-from shared.records import Prompt, Sample
+from rollstream.producer.judges.base import Judge, JudgeError, apply_rewards
+from rollstream.producer.judges.registry import load_judge
+from rollstream.shared.codec import prompt_from_dict, prompt_to_dict
+from rollstream.shared.records import Prompt, Sample
 
 JUDGE_QUEUE = "judge"
 

@@ -654,6 +654,8 @@ def env_for(url: str, run: str) -> dict[str, str]:
         "ROLLSTREAM_ENGINES__SIM__MEDIAN_TOKENS": "100",
         "ROLLSTREAM_PRODUCER__IS_VALID": "keep_all",
         "ROLLSTREAM_PRODUCER__HEARTBEAT_S": "0.2",
+        # entries carry the optional summary line: a reader that follows the spec ignores it
+        "ROLLSTREAM_BUFFER__SUMMARY": "true",
         "ROLLSTREAM_BUFFER__CLAIM_IDLE_MS": str(CLAIM_IDLE_MS),
     }
 
@@ -786,6 +788,8 @@ def test_a_trainer_written_from_the_stream_format_trains_with_real_producers(
         for s in g.samples:
             assert (s.reward["score"] == 1.0) == (f"\\boxed{{{answer}}}" in s.text), (g.group_id, s.text)
             assert len(s.response_ids) == len(s.versions) == len(s.logprobs) > 0
+        # the optional summary line was there, and this trainer needed nothing from it
+        assert g.fields[b"summary"].decode("ascii").startswith(f"math step={g.model_step} n={N} ")
     # The groups held back came back stale at step HOLD_UNTIL and were expired, not trained then
     assert len(held) == HOLD and set(held) <= set(expired)
     assert set(held) <= set(by_step[HOLD_UNTIL].expired)

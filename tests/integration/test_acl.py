@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.embedded import EmbeddedRedis, free_port
+from rollstream.shared.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,11 @@ PASSWORD = "s3cret-pw"
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rollstream.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -71,7 +75,7 @@ def test_a_least_privilege_user_runs_feed_produce_train_and_status(
         )
         outputs = []
         judge = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "judge"],
+            [sys.executable, "-m", "rollstream.cli.main", "judge"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -14,18 +14,18 @@ import orjson
 import pytest
 import redis
 
-from consumer.batches import BatchReader
-from consumer.progress import ProduceProgress
-from producer.pool import LocalPool
-from producer.worker import Producer
-from shared import codec
-from shared.buffer import ReplayBuffer
-from shared.embedded import EmbeddedRedis
-from shared.errors import CorruptValueError
-from shared.events import STOP, WEIGHT_SYNC, Event, EventFollower, RunControl
-from shared.keys import MODEL_STEP, PRODUCERS, TRAIN_STEP, TRAINER, Keys
-from shared.records import Group, Sample, Status
-from shared.settings import Settings, load_settings
+from rollstream.consumer.batches import BatchReader
+from rollstream.consumer.progress import ProduceProgress
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.worker import Producer
+from rollstream.shared import codec
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.errors import CorruptValueError
+from rollstream.shared.events import STOP, WEIGHT_SYNC, Event, EventFollower, RunControl
+from rollstream.shared.keys import MODEL_STEP, PRODUCERS, TRAIN_STEP, TRAINER, Keys
+from rollstream.shared.records import Group, Sample, Status
+from rollstream.shared.settings import Settings, load_settings
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts, wait_for, wait_idle
 
@@ -333,7 +333,7 @@ def test_the_follower_skips_malformed_events_with_one_warning_each_and_goes_on(
     seen: list[Event] = []
     errors: list[BaseException] = []
 
-    with caplog.at_level(logging.WARNING, logger="shared.events"):
+    with caplog.at_level(logging.WARNING, logger="rollstream.shared.events"):
         follower = EventFollower(control, start, seen.append, errors.append, block_ms=100).start()
         followers.append(follower)
         wait_for(lambda: seen, timeout=10)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from consumer.coordinator import BatchCoordinator
-from shared import codec
-from shared.embedded import EmbeddedRedis
-from shared.events import RunControl
-from shared.keys import Keys
-from shared.status import run_status
+from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.shared import codec
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import Keys
+from rollstream.shared.status import run_status
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts
 
@@ -73,7 +73,7 @@ def test_a_key_of_the_wrong_type_is_one_line_not_a_traceback(
         ROLLSTREAM_TASKS='[{"name": "math", "n": 2}]',
     )
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "feed", str(path), "--task", "math"],
+        [sys.executable, "-m", "rollstream.cli.main", "feed", str(path), "--task", "math"],
         env=env,
         capture_output=True,
         text=True,

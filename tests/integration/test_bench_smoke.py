@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from rollstream.shared import codec
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,10 +46,16 @@ def test_buffer_pipeline_and_summary_at_smoke_size(tmp_path: Path) -> None:
     durability = json.loads((tmp_path / "durability.json").read_text())
     assert durability["ratio_always_vs_everysec"]["n"] == 1
 
-    skip_all = ["--skip", "buffer", "ray_queue", "pipeline", "weight_sync", "scale", "durability"]
+    bench(tmp_path, "bench/summary.py", "--quick")  # both ways decode; the trainer read every group
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert 0 < summary["bytes_overhead"] < 0.01 and summary["summary_chars_max"] <= codec.SUMMARY_MAX
+
+    skip_all = ["--skip", "buffer", "ray_queue", "pipeline", "weight_sync", "scale", "durability", "summary"]
+    skip_all.append("learning")  # tests/integration/test_bench_learning_smoke.py runs it
     table = bench(tmp_path, "bench/run_all.py", *skip_all)  # gathers and prints what is there
     assert "buffer.ratio_vs_raw" in table and "pipeline.staleness_violations" in table
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert latest["pipeline"]["staleness_violations"] == 0
     assert latest["buffer"]["ratio_vs_raw"] == buffer["ratio_vs_raw"]
     assert "durability.always_vs_everysec" in table
+    assert "summary.hot_path_overhead" in table

@@ -12,8 +12,8 @@ import orjson
 import pytest
 import redis
 
-from shared.embedded import EmbeddedRedis, free_port
-from shared.keys import Keys
+from rollstream.shared.embedded import EmbeddedRedis, free_port
+from rollstream.shared.keys import Keys
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 def rollstream(*args: str, url: str, run: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ROLLSTREAM_REDIS__URL": url, "ROLLSTREAM_RUN": run}
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args],
+        [sys.executable, "-m", "rollstream.cli.main", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -102,7 +102,7 @@ def test_check_names_the_url_but_never_the_password(run_name: str) -> None:
 def test_invalid_setting_fails_at_start_naming_it(redis_server: EmbeddedRedis, run_name: str) -> None:
     env = {**os.environ, "ROLLSTREAM_BUFFER__MAX_ATTEMPTS": "0"}
     result = subprocess.run(
-        [sys.executable, "-m", "cli.main", "--redis-url", redis_server.url, "status"],
+        [sys.executable, "-m", "rollstream.cli.main", "--redis-url", redis_server.url, "status"],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2
@@ -116,7 +116,7 @@ def test_feeder_process_stops_on_sigterm_and_resumes_where_it_stopped(
     keys = Keys(run_name)
     client = redis.Redis.from_url(redis_server.url)
     env = {**os.environ, "ROLLSTREAM_REDIS__URL": redis_server.url, "ROLLSTREAM_RUN": run_name}
-    args = [sys.executable, "-m", "cli.main", "feed", str(path), "--task", "default",
+    args = [sys.executable, "-m", "rollstream.cli.main", "feed", str(path), "--task", "default",
             "--epochs", "2", "--shuffle", "--seed", "3", "--keep-ahead", "8"]  # fmt: skip
     with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as feeder:
         wait_for(lambda: client.xlen(keys.prompts("default")) == 8, timeout=30)
@@ -135,8 +135,8 @@ def test_feeder_process_stops_on_sigterm_and_resumes_where_it_stopped(
 
 
 def test_demo_runs_the_pipeline_and_loses_nothing() -> None:
-    args = ["demo", "--prompts", "96", "--steps", "3", "--step-time", "0.05", "--json"]
-    command = [sys.executable, "-m", "cli.main", *args]
+    args = ["demo", "--sim", "--prompts", "96", "--steps", "3", "--step-time", "0.05", "--json"]
+    command = [sys.executable, "-m", "rollstream.cli.main", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = orjson.loads(result.stdout)

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import redis
 
-from producer.group import Completions
-from shared.errors import ReplayBufferError
-from shared.records import Status
+from rollstream.producer.group import Completions
+from rollstream.shared.errors import ReplayBufferError
+from rollstream.shared.records import Status
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts
 

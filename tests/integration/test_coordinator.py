@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import redis
 
-from consumer.coordinator import BatchCoordinator
-from producer.pool import LocalPool
-from producer.worker import Producer
-from shared.buffer import Claim
-from shared.embedded import EmbeddedRedis
-from shared.errors import BatchTimeout, ReplayBufferError
-from shared.keys import PRODUCERS
-from shared.settings import Settings, load_settings
+from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.worker import Producer
+from rollstream.shared.buffer import Claim
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.errors import BatchTimeout, ReplayBufferError
+from rollstream.shared.keys import PRODUCERS
+from rollstream.shared.settings import Settings, load_settings
 from tests.helpers import group_for, prompts
 
 pytestmark = pytest.mark.integration

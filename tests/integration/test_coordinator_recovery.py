@@ -11,11 +11,11 @@ import orjson
 import pytest
 import redis
 
-from consumer.coordinator import BatchCoordinator
-from shared.buffer import ReplayBuffer
-from shared.embedded import EmbeddedRedis
-from shared.errors import BatchTimeout
-from shared.settings import Settings
+from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.errors import BatchTimeout
+from rollstream.shared.settings import Settings
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts, wait_for
 

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from shared.buffer import ReplayBuffer
-from shared.connection import connect
-from shared.embedded import EmbeddedRedis
-from shared.keys import PRODUCERS, TRAINER
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.keys import PRODUCERS, TRAINER
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts, wait_for, wait_idle
 
@@ -54,9 +54,9 @@ def make(server: EmbeddedRedis, make_settings: SettingsFactory) -> Iterator:  # 
 CLAIMER = textwrap.dedent(
     """
     import sys, time
-    from shared.buffer import ReplayBuffer
-    from shared.connection import connect
-    from shared.settings import load_settings
+    from rollstream.shared.buffer import ReplayBuffer
+    from rollstream.shared.connection import connect
+    from rollstream.shared.settings import load_settings
 
     settings = load_settings(run=sys.argv[2], redis={"url": sys.argv[1]}, tasks=[{"name": "math"}])
     buffer = ReplayBuffer(connect(settings.redis), settings, "doomed")

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import ray
 
-from producer.engines.base import SamplingParams
-from producer.pool import EnginePool
-from shared.settings import load_settings
+from rollstream.producer.engines.base import SamplingParams
+from rollstream.producer.pool import EnginePool
+from rollstream.shared.settings import load_settings
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]

@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from producer.engines.base import EngineHealth, Generation, SamplingParams
-from producer.filters import keep_all
-from producer.group import COMPLETED, FAILED, GroupRunner
-from producer.judges.registry import load_judge
-from producer.pool import LocalPool
-from producer.tokenizer import BytesTokenizer
-from shared.buffer import ReplayBuffer
-from shared.records import ID_DTYPE, LOGPROB_DTYPE
+from rollstream.producer.engines.base import EngineHealth, Generation, SamplingParams
+from rollstream.producer.filters import keep_all
+from rollstream.producer.group import COMPLETED, FAILED, GroupRunner
+from rollstream.producer.judges.registry import load_judge
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.tokenizer import BytesTokenizer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE
 from tests.conftest import BufferFactory
 from tests.helpers import prompts
 

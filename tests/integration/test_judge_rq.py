@@ -14,10 +14,10 @@ import pytest
 import redis
 from rq.job import JobStatus
 
-from producer.judges import JudgeError, apply_rewards
-from producer.judges.rq import JUDGE_QUEUE, RQJudge
-from shared.embedded import EmbeddedRedis
-from shared.records import Prompt, Sample
+from rollstream.producer.judges import JudgeError, apply_rewards
+from rollstream.producer.judges.rq import JUDGE_QUEUE, RQJudge
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.records import Prompt, Sample
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -133,7 +133,7 @@ def test_job_payload_is_json(client: redis.Redis, queue: str) -> None:
     raw = client.hget(job.key, "data")
     assert isinstance(raw, bytes)
     func, _instance, args, _kwargs = json.loads(zlib.decompress(raw))
-    assert func == "producer.judges.rq.run_judge"
+    assert func == "rollstream.producer.judges.rq.run_judge"
     assert args == ["math", {"uid": "u", "task": "t", "prompt": "q", "meta": {"answer": "1"}}, ["1"]]
     judge.cancel([job])
 

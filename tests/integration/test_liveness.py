@@ -16,14 +16,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shared.connection import wait_for_redis
-from shared.embedded import EmbeddedRedis, free_port
-from shared.errors import RedisUnavailable, WaitTimeout
-from shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, Event, EventFollower, RunControl
-from shared.keys import Keys
-from shared.liveness import Heartbeat, Liveness, live_processes
-from shared.settings import RedisSettings
-from shared.status import TaskAccount, run_status
+from rollstream.shared.connection import wait_for_redis
+from rollstream.shared.embedded import EmbeddedRedis, free_port
+from rollstream.shared.errors import RedisUnavailable, WaitTimeout
+from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, Event, EventFollower, RunControl
+from rollstream.shared.keys import Keys
+from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
+from rollstream.shared.settings import RedisSettings
+from rollstream.shared.status import TaskAccount, run_status
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts, wait_for
 
@@ -126,7 +126,7 @@ def test_an_unreadable_heartbeat_is_skipped_not_a_crash(
     real_client.set(keys.alive("producer", "broken"), raw, px=30_000)
     real_client.hset(keys.alive("judge", "a-hash"), "x", "1")  # not even a string
     Liveness(real_client, keys, "producer", "ok", ttl_s=30).beat()
-    with caplog.at_level(logging.WARNING, logger="shared.liveness"):
+    with caplog.at_level(logging.WARNING, logger="rollstream.shared.liveness"):
         beats = live_processes(real_client, keys)
     assert [(b.role, b.name) for b in beats] == [("producer", "ok")]
     assert any("unreadable heartbeat" in r.getMessage() for r in caplog.records)
@@ -135,10 +135,10 @@ def test_an_unreadable_heartbeat_is_skipped_not_a_crash(
 def test_a_heartbeat_without_redis_reports_the_failure_once(caplog: pytest.LogCaptureFixture) -> None:
     client = redis.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     heartbeat = Heartbeat(Liveness(client, Keys("nobody"), "producer", "p1", ttl_s=30))
-    with caplog.at_level(logging.WARNING, logger="shared.liveness"):
+    with caplog.at_level(logging.WARNING, logger="rollstream.shared.liveness"):
         assert heartbeat.beat() is False
         assert heartbeat.beat(quiet=True) is False
-    warned = [r.getMessage() for r in caplog.records if r.name == "shared.liveness"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "rollstream.shared.liveness"]
     assert len(warned) == 1 and warned[0].startswith("heartbeat of producer p1 failed")
 
 
@@ -148,14 +148,14 @@ def test_a_heartbeat_without_redis_reports_the_failure_once(caplog: pytest.LogCa
 def test_wait_for_redis_returns_a_client_at_once(
     redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="shared.waiting"):
+    with caplog.at_level(logging.INFO, logger="rollstream.shared.waiting"):
         client = wait_for_redis(RedisSettings(url=redis_server.url), timeout_s=5)
     assert client is not None
     try:
         assert client.ping() is True
     finally:
         client.close()
-    assert [r for r in caplog.records if r.name == "shared.waiting"] == []
+    assert [r for r in caplog.records if r.name == "rollstream.shared.waiting"] == []
 
 
 def test_wait_for_redis_times_out_naming_the_url_without_the_password(
@@ -164,7 +164,10 @@ def test_wait_for_redis_times_out_naming_the_url_without_the_password(
     port = free_port()
     settings = RedisSettings(url=f"redis://user:s3cret@127.0.0.1:{port}/0", socket_timeout_s=1.0)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="shared.waiting"), pytest.raises(WaitTimeout) as excinfo:
+    with (
+        caplog.at_level(logging.WARNING, logger="rollstream.shared.waiting"),
+        pytest.raises(WaitTimeout) as excinfo,
+    ):
         wait_for_redis(settings, timeout_s=0.5)
     message = str(excinfo.value)
     assert f"redis://user:***@127.0.0.1:{port}/0" in message
@@ -216,7 +219,7 @@ class StartOnFirstWarning(logging.Handler):
 @pytest.fixture
 def late_server() -> Iterator[StartOnFirstWarning]:
     handler = StartOnFirstWarning(free_port())
-    logger = logging.getLogger("shared.waiting")
+    logger = logging.getLogger("rollstream.shared.waiting")
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)
@@ -227,7 +230,7 @@ def test_a_server_that_starts_after_the_wait_began_is_picked_up(
     late_server: StartOnFirstWarning, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = f"redis://127.0.0.1:{late_server.server.port}/0"
-    with caplog.at_level(logging.INFO, logger="shared.waiting"):
+    with caplog.at_level(logging.INFO, logger="rollstream.shared.waiting"):
         client = wait_for_redis(RedisSettings(url=url, socket_timeout_s=2.0), timeout_s=60)
     assert late_server.started, "the wait never reported Redis missing"
     assert late_server.error is None
@@ -237,7 +240,7 @@ def test_a_server_that_starts_after_the_wait_began_is_picked_up(
         assert client.get("picked-up") == b"1"
     finally:
         client.close()
-    messages = [r.getMessage() for r in caplog.records if r.name == "shared.waiting"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "rollstream.shared.waiting"]
     assert messages[0].startswith(f"waiting for Redis at {url}:")
     assert messages[-1].startswith(f"Redis at {url}: ready after")
 
@@ -356,7 +359,7 @@ def test_a_failing_handler_reaches_on_error_and_ends_the_follower(
     control.publish(PAUSE)
     control.publish(WEIGHT_SYNC, 2, uri="/ckpt/2")
     control.publish(RESUME)  # after the failure: never handled
-    with caplog.at_level(logging.ERROR, logger="shared.events"):
+    with caplog.at_level(logging.ERROR, logger="rollstream.shared.events"):
         follower = EventFollower(control, start, handle, errors.append, block_ms=100).start()
         followers.append(follower)
         wait_for(lambda: errors, timeout=10)

@@ -16,10 +16,10 @@ import orjson
 import pytest
 import redis
 
-from shared.connection import OutageRetry, connect
-from shared.embedded import free_port
-from shared.keys import Keys
-from shared.settings import RedisSettings
+from rollstream.shared.connection import OutageRetry, connect
+from rollstream.shared.embedded import free_port
+from rollstream.shared.keys import Keys
+from rollstream.shared.settings import RedisSettings
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ class AofRedis:
     def start(self) -> None:
         env = {**os.environ, "ROLLSTREAM_REDIS__URL": self.url}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "redis", "--dir", str(self.data)],
+            [sys.executable, "-m", "rollstream.cli.main", "redis", "--dir", str(self.data)],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         client = redis.Redis.from_url(self.url)
@@ -102,8 +102,9 @@ def test_producer_and_trainer_ride_out_a_redis_restart(
     prompts.write_text(
         "".join(f'{{"uid": "q{i}", "prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(200))
     )
-    feed = subprocess.run([sys.executable, "-m", "cli.main", "feed", str(prompts), "--task", "math"],
-                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    feed = subprocess.run([sys.executable, "-m", "rollstream.cli.main", "feed", str(prompts),
+                           "--task", "math"], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
     assert feed.returncode == 0, feed.stderr
     logs = {name: tmp_path / f"{name}.log" for name in ("producer", "trainer")}
     args = {
@@ -113,8 +114,8 @@ def test_producer_and_trainer_ride_out_a_redis_restart(
     procs = {}
     for name, path in logs.items():
         with path.open("wb") as out:
-            procs[name] = subprocess.Popen([sys.executable, "-m", "cli.main", *args[name]], env=env,
-                                           stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            procs[name] = subprocess.Popen([sys.executable, "-m", "rollstream.cli.main", *args[name]],
+                                           env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         # Given a run in progress
         wait_for(lambda: b"trainer: step 3," in logs["trainer"].read_bytes() or _exited(procs), timeout=90)
@@ -141,7 +142,7 @@ def test_producer_and_trainer_ride_out_a_redis_restart(
     for path in logs.values():
         assert b"answers again after" in path.read_bytes()
     assert b"trainer: step 12," in logs["trainer"].read_bytes()
-    status = subprocess.run([sys.executable, "-m", "cli.main", "status", "--json"], env=env,
+    status = subprocess.run([sys.executable, "-m", "rollstream.cli.main", "status", "--json"], env=env,
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     result = orjson.loads(status.stdout)
     assert result["train_step"] == 12
@@ -199,7 +200,7 @@ def test_a_process_past_the_outage_limit_exits_3(tmp_path: Path, run_name: str) 
     env.update(
         ROLLSTREAM_REDIS__URL=server.url, ROLLSTREAM_RUN=run_name, ROLLSTREAM_REDIS__OUTAGE_LIMIT_S="1"
     )
-    with subprocess.Popen([sys.executable, "-m", "cli.main", "train", "--steps", "1"], env=env,
+    with subprocess.Popen([sys.executable, "-m", "rollstream.cli.main", "train", "--steps", "1"], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as trainer:  # fmt: skip
         client = redis.Redis.from_url(server.url)
         wait_for(lambda: trainer.poll() is not None or any(client.scan_iter(match="rs:*alive*")), timeout=30)

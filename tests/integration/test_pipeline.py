@@ -16,11 +16,11 @@ import pytest
 import ray
 import redis
 
-from producer.pool import EnginePool
-from shared.buffer import Batch, ReplayBuffer
-from shared.embedded import EmbeddedRedis
-from shared.events import WEIGHT_SYNC, RunControl
-from shared.settings import load_settings
+from rollstream.producer.pool import EnginePool
+from rollstream.shared.buffer import Batch, ReplayBuffer
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import WEIGHT_SYNC, RunControl
+from rollstream.shared.settings import load_settings
 from tests.helpers import prompts, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
@@ -63,7 +63,7 @@ def test_feed_engines_two_producers_and_a_trainer_run_async_steps(
     producers = []
     for out, err in logs:
         with out.open("w") as stdout, err.open("w") as stderr:
-            command = [sys.executable, "-m", "cli.main", "produce", "--address", address]
+            command = [sys.executable, "-m", "rollstream.cli.main", "produce", "--address", address]
             producers.append(subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr))
 
     def running() -> bool:

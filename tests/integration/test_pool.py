@@ -13,12 +13,12 @@ import pytest
 import ray
 import redis
 
-from producer.engines.base import FINISH_LENGTH, SamplingParams
-from producer.pool import EnginePool, PoolResult, actor_name, namespace
-from shared.embedded import EmbeddedRedis
-from shared.events import RunControl
-from shared.keys import Keys
-from shared.settings import Settings, load_settings
+from rollstream.producer.engines.base import FINISH_LENGTH, SamplingParams
+from rollstream.producer.pool import EnginePool, PoolResult, actor_name, namespace
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import Keys
+from rollstream.shared.settings import Settings, load_settings
 from tests.helpers import wait_for_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
@@ -62,9 +62,9 @@ def test_actors_are_named_in_the_run_namespace(pool: EnginePool, run_name: str) 
 ATTACHER = textwrap.dedent(
     """
     import asyncio, sys
-    from producer.engines.base import SamplingParams
-    from producer.pool import EnginePool, init_ray
-    from shared.settings import load_settings
+    from rollstream.producer.engines.base import SamplingParams
+    from rollstream.producer.pool import EnginePool, init_ray
+    from rollstream.shared.settings import load_settings
 
     init_ray(sys.argv[1])
     settings = load_settings(run=sys.argv[2], engines={"count": 2})
@@ -87,7 +87,7 @@ def test_a_second_process_attaches_to_the_named_actors(pool: EnginePool, run_nam
 
 
 def test_attach_without_engines_says_what_is_missing(run_name: str) -> None:
-    from producer.pool import PoolError
+    from rollstream.producer.pool import PoolError
 
     with pytest.raises(PoolError, match=f"rollstream:{run_name}:engine:0"):
         EnginePool.attach(pool_settings(run_name))
@@ -157,7 +157,7 @@ def test_engines_started_by_the_cli_serve_a_producer_in_another_process(
         "ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION": "50",
     }
     started = subprocess.run(
-        [sys.executable, "-m", "cli.main", "engines", "--address", address],
+        [sys.executable, "-m", "rollstream.cli.main", "engines", "--address", address],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert started.returncode == 0, started.stderr[-2000:]
@@ -171,7 +171,7 @@ def test_engines_started_by_the_cli_serve_a_producer_in_another_process(
     assert not result.failed
     assert [len(g.response_ids) for g in result.generations] == [30, 30]
     stopped = subprocess.run(
-        [sys.executable, "-m", "cli.main", "engines", "--address", address, "--stop"],
+        [sys.executable, "-m", "rollstream.cli.main", "engines", "--address", address, "--stop"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "stopped 2 engine actors" in stopped.stdout, stopped.stderr[-2000:]

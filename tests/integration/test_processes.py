@@ -15,9 +15,9 @@ import orjson
 import pytest
 import redis
 
-from shared.embedded import EmbeddedRedis
-from shared.events import RunControl
-from shared.keys import Keys
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import Keys
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -44,7 +44,7 @@ def env_for(url: str, run: str, **extra: str) -> dict[str, str]:
 
 
 def command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", *args]
+    return [sys.executable, "-m", "rollstream.cli.main", *args]
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,7 @@ import redis
 from honcho.environ import parse as parse_env
 from honcho.environ import parse_procfile
 
-from shared.embedded import free_port
+from rollstream.shared.embedded import free_port
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

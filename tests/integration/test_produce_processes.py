@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.embedded import EmbeddedRedis
-from shared.events import RunControl
-from shared.keys import Keys
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import Keys
 from tests.helpers import ProducerProcess, rollstream, wait_for
 
 pytestmark = pytest.mark.integration

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import redis
 
-from producer.engines.sim import SimEngine
-from producer.pool import LocalPool
-from producer.worker import Producer
-from shared.buffer import Batch, ReplayBuffer
-from shared.embedded import EmbeddedRedis
-from shared.events import WEIGHT_SYNC
-from shared.settings import Settings, load_settings
+from rollstream.producer.engines.sim import SimEngine
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.worker import Producer
+from rollstream.shared.buffer import Batch, ReplayBuffer
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import WEIGHT_SYNC
+from rollstream.shared.settings import Settings, load_settings
 from tests.helpers import ManualClock, prompts, still_running, wait_for_async
 
 pytestmark = pytest.mark.integration
@@ -223,8 +223,8 @@ def test_aborted_partial_samples_go_on_from_their_own_tokens(make_producer: Prod
 
 
 async def fresh_generation(producer: Producer, text: str, n: int) -> list[Any]:
-    from producer.engines.base import SamplingParams
-    from producer.engines.sim import SimEngine
+    from rollstream.producer.engines.base import SamplingParams
+    from rollstream.producer.engines.sim import SimEngine
 
     engine = SimEngine(producer.settings.engines.sim)
     params = SamplingParams(max_tokens=1200)

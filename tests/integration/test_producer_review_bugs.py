@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import redis
 
-from producer.pool import LocalPool
-from producer.worker import Producer
-from shared.buffer import ReplayBuffer
-from shared.embedded import EmbeddedRedis
-from shared.events import WEIGHT_SYNC
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.worker import Producer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import WEIGHT_SYNC
 from tests.helpers import prompts
 from tests.integration.test_producer import settings_for
 

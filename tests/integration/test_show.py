@@ -4,11 +4,13 @@ groups, pools, prompts, a dead letter, an event, and a group entry that does not
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,18 +18,19 @@ import orjson
 import pytest
 import redis
 
-from shared import codec
-from shared.buffer import BATCH_META, ReplayBuffer
-from shared.embedded import EmbeddedRedis
-from shared.errors import DecodeError
-from shared.events import WEIGHT_SYNC, RunControl
-from shared.keys import Keys
-from shared.records import Group, Prompt, Sample
-from shared.settings import load_settings
+from rollstream.shared import codec
+from rollstream.shared.buffer import BATCH_META, ReplayBuffer
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.errors import DecodeError
+from rollstream.shared.events import WEIGHT_SYNC, RunControl
+from rollstream.shared.keys import Keys
+from rollstream.shared.records import Group, Prompt, Sample
+from rollstream.shared.settings import load_settings
 from tests.helpers import group_for, prompts
 
 pytestmark = pytest.mark.integration
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 LONG_TEXT = "The answer is 2. " * 10  # 170 characters: the output shows the first 80
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6 * 7?"}]
 
@@ -45,7 +48,11 @@ def rollstream(run: Run, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
     env |= {"ROLLSTREAM_REDIS__URL": run.url, "ROLLSTREAM_RUN": run.name}
     result = subprocess.run(
-        [sys.executable, "-m", "cli.main", *args], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rollstream.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert "Traceback" not in result.stdout + result.stderr, result.stderr
     return result
@@ -85,7 +92,7 @@ def run(redis_server: EmbeddedRedis) -> Iterator[Run]:
         run=name,
         redis={"url": redis_server.url},
         tasks=[{"name": "default", "n": 2}, {"name": "code", "n": 2}],
-        buffer={"claim_idle_ms": 1000, "max_attempts": 3, "block_ms": 100},
+        buffer={"claim_idle_ms": 1000, "max_attempts": 3, "block_ms": 100, "summary": True},
     )
     client: Any = redis.Redis.from_url(redis_server.url)  # replies are bytes; redis-py types them loosely
     keys = Keys(name)
@@ -116,6 +123,10 @@ def run(redis_server: EmbeddedRedis) -> Iterator[Run]:
     with pytest.raises(DecodeError) as bad:
         codec.decode_group(bad_group)
 
+    # as a writer from before the summary field (or with buffer.summary off) wrote it
+    older = codec.encode_group(group_for(prompts("code", 1)[0], n=2, tokens=4, step=1), summary=False)
+    ids["no summary"] = client.xadd(keys.groups("code"), older).decode()
+
     ids["event"] = RunControl(client, keys).publish(WEIGHT_SYNC, model_step=3, uri="file:///weights/3")
     chat = Prompt("q1", "code", CHAT, prompt_ids=[7, 8, 9, 10], meta={BATCH_META: "b1", "answer": "42"})
     producer.feed([chat], pool="evals")
@@ -137,6 +148,8 @@ def test_groups_show_ids_token_counts_versions_rewards_and_the_undecodable_entry
     u1, bad = rest.split(run.ids["bad group"] + "  ")
     assert f"{run.ids['u0']}  task default  group_id default:u0  model_step 3  status completed  n 2" in u0
     assert "prompt_tokens 6  response_tokens 10  reward_mean 0.5" in u0
+    # the writer's summary line, as stored (its content: tests/unit/test_summary.py)
+    assert '  summary default step=3 n=2 reward=0.5+-0.5 len=5/5/5 completed uid=u0 "What is 0 + 1?"\n' in u0
     assert 'uid u0  prompt "What is 0 + 1?"' in u0
     assert "sample 0: 5 tokens  versions 3 x5  reward score=0.0  finish stop" in u0
     assert "sample 1: 5 tokens  versions 3 x5  reward score=1.0  finish stop" in u0
@@ -171,6 +184,7 @@ def test_groups_as_json_carry_the_same_numbers(run: Run) -> None:
     assert [s["versions"] for s in u0["samples"]] == [[[3, 5]], [[3, 5]]]
     assert [s["reward"] for s in u0["samples"]] == [{"score": 0.0}, {"score": 1.0}]
     assert u0["prompt"]["prompt"] == "What is 0 + 1?"
+    assert u0["summary"] == 'default step=3 n=2 reward=0.5+-0.5 len=5/5/5 completed uid=u0 "What is 0 + 1?"'
 
     assert [s["tokens"] for s in u1["samples"]] == [3, 7]
     assert [s["versions"] for s in u1["samples"]] == [[[1, 2], [2, 1]], [[2, 7]]]
@@ -185,6 +199,33 @@ def test_groups_as_json_carry_the_same_numbers(run: Run) -> None:
         "error": run.bad_reason,
         "fields": {"task": 7, "group_id": 14, "meta": 9, "response_ids": 24},
     }
+
+
+def test_a_group_entry_without_a_summary_shows_the_rest(run: Run) -> None:
+    out = shown(run, "groups", "--task", "code")
+    assert f"{run.ids['no summary']}  task code  group_id code:u0  model_step 1  status completed  n 2" in out
+    assert "sample 1: 4 tokens  versions 1 x4" in out
+    assert "summary" not in out
+    (entry,) = shown_json(run, "groups", "--task", "code")
+    assert (entry["kind"], entry["n"], entry["summary"]) == ("group", 2, None)
+
+
+def test_the_readme_redis_cli_line_prints_the_newest_summaries(run: Run, redis_server: EmbeddedRedis) -> None:
+    """The README's cookbook line, run as written (shell, redis-cli, awk) on this run."""
+    cli = shutil.which("redis-cli") or str(Path(redis_server.binary).with_name("redis-cli"))
+    if not Path(cli).is_file():
+        pytest.skip("no redis-cli")
+    (line,) = [line for line in README.read_text().splitlines() if '"summary"' in line]
+    command = line.replace("redis-cli", f"{cli} -u {run.url}", 1).replace("{exp1}", f"{{{run.name}}}")
+    out = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    client = redis.Redis.from_url(run.url)
+    newest = client.xrevrange(Keys(run.name).groups("default"), count=3)
+    client.close()
+    summaries = [fields[b"summary"].decode() for _, fields in newest if b"summary" in fields]
+    assert len(summaries) == 2  # u1 and u0; the hand-written bad entry has none
+    assert out.splitlines() == summaries
 
 
 def test_last_count_and_id_pick_the_entries(run: Run) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.embedded import find_redis_server, free_port
+from rollstream.shared.embedded import find_redis_server, free_port
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -69,8 +69,8 @@ def test_check_feed_and_status_over_tls(tls_server: str, run_name: str, tmp_path
     path.write_text('{"uid": "a", "prompt": "What is 1 + 1?", "answer": "2"}\n')
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cli.main", *args], env=env, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+        return subprocess.run([sys.executable, "-m", "rollstream.cli.main", *args], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
 
     checked = cli("check")
     assert checked.returncode == 0 and "answers at rediss://" in checked.stdout, checked.stderr

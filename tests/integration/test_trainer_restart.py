@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import redis
 
-from consumer.batches import BatchReader
-from consumer.trainer import ReferenceTrainer, StepLog
-from shared.buffer import ReplayBuffer
-from shared.embedded import EmbeddedRedis
-from shared.events import RunControl
-from shared.keys import TRAINER, Keys
-from shared.settings import Settings, load_settings
+from rollstream.consumer.batches import BatchReader
+from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import TRAINER, Keys
+from rollstream.shared.settings import Settings, load_settings
 from tests.helpers import group_for, prompts, wait_for
 
 pytestmark = pytest.mark.integration
@@ -73,7 +73,7 @@ def test_sigterm_while_waiting_for_a_batch_exits_0_and_commits_nothing(
     env.update(ROLLSTREAM_REDIS__URL=redis_server.url, ROLLSTREAM_RUN=run_name)
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(run_name)
-    args = [sys.executable, "-m", "cli.main", "train", "--steps", "3", "--step-time", "0"]
+    args = [sys.executable, "-m", "rollstream.cli.main", "train", "--steps", "3", "--step-time", "0"]
     with subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as trainer:
@@ -100,7 +100,7 @@ def test_steps_shows_a_stuck_run_and_repairs_it(redis_server: EmbeddedRedis, run
     client.hset(keys.state, mapping={"model_step": 3, "train_step": 6})
 
     def steps(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cli.main", "steps", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "rollstream.cli.main", "steps", *args], env=env,
                               capture_output=True, text=True, timeout=60)  # fmt: skip
 
     shown = steps()

@@ -14,17 +14,17 @@ from typing import Any
 import pytest
 import redis
 
-from consumer.batches import BatchReader
-from consumer.progress import ProduceProgress
-from consumer.weights import SyncTimeout, publish_weights, wait_for_producers
-from producer.pool import LocalPool
-from producer.worker import Producer
-from shared.buffer import ReplayBuffer
-from shared.embedded import EmbeddedRedis
-from shared.errors import BatchTimeout
-from shared.events import RunControl
-from shared.keys import TRAINER
-from shared.settings import Settings, load_settings
+from rollstream.consumer.batches import BatchReader
+from rollstream.consumer.progress import ProduceProgress
+from rollstream.consumer.weights import SyncTimeout, publish_weights, wait_for_producers
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.worker import Producer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.errors import BatchTimeout
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import TRAINER
+from rollstream.shared.settings import Settings, load_settings
 from tests.helpers import group_for, prompts, still_running, wait_for, wait_for_async
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,7 @@ def test_a_trainer_killed_before_commit_gets_the_same_groups_again(
     }
     keys = ReplayBuffer(client, settings).keys
     with subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "train", "--steps", "1", "--step-time", "60"],
+        [sys.executable, "-m", "rollstream.cli.main", "train", "--steps", "1", "--step-time", "60"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     ) as trainer:  # fmt: skip
         wait_for(lambda: client.xpending(keys.groups("math"), "trainer")["pending"] == 2, timeout=60)
@@ -225,7 +225,7 @@ def test_the_reference_trainer_stops_while_it_waits_for_data(
 ) -> None:
     import threading
 
-    from consumer.trainer import ReferenceTrainer
+    from rollstream.consumer.trainer import ReferenceTrainer
 
     settings = settings_for(redis_server, run_name)
     client = redis.Redis.from_url(redis_server.url)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.allocation import allocate_batch_sizes, over_sample_budget
+from rollstream.shared.allocation import allocate_batch_sizes, over_sample_budget
 
 
 @pytest.mark.parametrize(

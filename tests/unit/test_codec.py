@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -8,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import codec
-from shared.errors import DecodeError
-from shared.records import Group, Prompt, Sample, Status, group_status
+from rollstream.shared import codec
+from rollstream.shared.errors import DecodeError
+from rollstream.shared.records import ENV, MODEL, TOOL, Group, Prompt, Sample, Status, Turn, group_status
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
@@ -95,6 +96,19 @@ def through_redis_reply(fields: codec.Fields) -> dict[bytes, bytes]:
 @given(groups())
 def test_every_group_round_trips_exactly(group: Group) -> None:
     assert codec.decode_group(through_redis_reply(codec.encode_group(group))) == group
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups())
+def test_every_group_has_a_summary_of_bounded_printable_ascii(group: Group) -> None:
+    fields = codec.encode_group(group, summary=True)
+    summary = fields["summary"]
+    assert isinstance(summary, str) and summary.isascii() and summary.isprintable()
+    assert len(summary) <= codec.SUMMARY_MAX
+    assert summary.startswith(f"{group.task} step={group.model_step} n={group.n} ")
+    assert codec.decode_group(through_redis_reply(fields)) == codec.decode_group(
+        through_redis_reply(codec.encode_group(group))
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -252,3 +266,127 @@ def test_strided_token_arrays_encode_as_their_values() -> None:
     group = Group.for_prompt(Prompt(uid="u", task="math", prompt="p"), samples=[sample])
     decoded = codec.decode_group(through_redis_reply(codec.encode_group(group)))
     assert decoded.samples[0].response_ids.tolist() == list(range(0, 20, 2))
+
+
+# --- agent trajectories (format 1.1) -------------------------------------------------------
+
+
+@st.composite
+def trajectories(draw: st.DrawFn) -> Sample:
+    """A sample as an agent makes one: turns of the model and of others, a mask."""
+    sample = draw(samples([1, 2, 3]))
+    n = len(sample.response_ids)
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=4)))
+    bounds = [0, *cuts, n]
+    turns = [
+        Turn(
+            role=draw(st.sampled_from([MODEL, ENV, TOOL])),
+            length=b - a,
+            text=draw(st.text(max_size=10)),
+            reward=draw(st.none() | st.floats(-5, 5)),
+            status=draw(st.none() | st.sampled_from(["ok", "timeout", "malformed"])),
+            name=draw(st.none() | st.sampled_from(["calculator", "search"])),
+        )
+        for a, b in itertools.pairwise(bounds)
+    ]
+    sample.turns = draw(st.none() | st.just(turns))
+    mask = [1 if t.role == MODEL else 0 for t in turns for _ in range(t.length)]
+    sample.loss_mask = draw(st.none() | st.just(np.asarray(mask, dtype=np.uint8)))
+    sample.agent_status = draw(st.none() | st.sampled_from(["done", "max_turns", "env_error"]))
+    return sample
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(trajectories(), min_size=1, max_size=4))
+def test_every_trajectory_round_trips_exactly(items: list[Sample]) -> None:
+    group = Group.for_prompt(Prompt(uid="u", task="math", prompt="q"), samples=items)
+    fields = codec.encode_group(group)
+    decoded = codec.decode_group(through_redis_reply(fields))
+    assert decoded == group
+    agentic = any(s.turns is not None or s.loss_mask is not None or s.agent_status for s in items)
+    assert fields["format"] == ("1.1" if agentic else "1.0")
+    for sample in decoded.samples:
+        if sample.loss_mask is not None:
+            assert sample.loss_mask.dtype == np.uint8 and not sample.loss_mask.flags.writeable
+
+
+def trajectory_group() -> Group:
+    # prompt [1, 2]; model [10, 11], tool [20, 21, 22], model [12]
+    sample = Sample(
+        [1, 2],
+        [10, 11, 20, 21, 22, 12],
+        [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3],
+        [0, 0, 0, 0, 0, 1],
+        "stop",
+        loss_mask=[1, 1, 0, 0, 0, 1],
+        turns=[
+            Turn(MODEL, 2, "call"),
+            Turn(TOOL, 3, "result", status="ok", name="calculator"),
+            Turn(MODEL, 1, "42", reward=1.0),
+        ],
+        agent_status="done",
+    )
+    return Group.for_prompt(Prompt(uid="u", task="math", prompt="q"), samples=[sample])
+
+
+def test_a_trajectory_carries_its_mask_as_runs_turns_and_status_in_meta() -> None:
+    fields = codec.encode_group(trajectory_group())
+    assert fields["format"] == "1.1"
+    (item,) = orjson.loads(fields["meta"])["samples"]
+    assert item["mask"] == [[1, 2], [0, 3], [1, 1]]
+    assert item["turns"] == [
+        {"role": "model", "len": 2, "text": "call"},
+        {"role": "tool", "len": 3, "text": "result", "status": "ok", "name": "calculator"},
+        {"role": "model", "len": 1, "text": "42", "reward": 1.0},
+    ]
+    assert item["agent"] == "done"
+    # the token fields are what they always were: the whole response, packed
+    assert np.frombuffer(fields["response_ids"], "<i4").tolist() == [10, 11, 20, 21, 22, 12]
+
+
+def test_a_plain_group_has_no_trajectory_keys_and_stays_1_0() -> None:
+    fields = codec.encode_group(make_group())
+    assert fields["format"] == "1.0"
+    for item in orjson.loads(fields["meta"])["samples"]:
+        assert not {"mask", "turns", "agent"} & set(item)
+
+
+def test_sample_mask_and_turns_must_cover_the_response() -> None:
+    with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 tokens"):
+        Sample([1], [1, 2], [], [0, 0], loss_mask=[1])
+    with pytest.raises(ValueError, match="turns cover 3 tokens"):
+        Sample([1], [1, 2], [], [0, 0], turns=[Turn(MODEL, 3)])
+
+
+def _set_item(key: str, value: object) -> object:
+    def mutate(raw: dict[bytes, bytes]) -> None:
+        meta = orjson.loads(raw[b"meta"])
+        meta["samples"][0][key] = value
+        raw[b"meta"] = orjson.dumps(meta)
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (_set_item("mask", [[1, 2], [0, 3]]), "mask runs for 5 tokens, not its 6"),
+        (_set_item("mask", [[2, 6]]), "mask value 2, not 0 or 1"),
+        (_set_item("mask", [[1, 0], [1, 6]]), "a count below 1"),
+        (_set_item("mask", [[1, 1e11]]), "a count below 1"),
+        (_set_item("mask", {"a": 1}), "not \\[value, count\\] pairs"),
+        (_set_item("mask", [[1, 2, 3]]), "not \\[value, count\\] pairs"),
+        (_set_item("turns", [{"role": "model", "len": 5}]), "turns of 5 tokens, not its 6"),
+        (_set_item("turns", [{"role": 3, "len": 6}]), "turn 0 has role 3"),
+        (_set_item("turns", [{"role": "model", "len": -1}, {"role": "env", "len": 7}]), "len -1"),
+        (_set_item("turns", [{"role": "model", "len": 6, "reward": "high"}]), "reward 'high'"),
+        (_set_item("turns", [{"role": "model", "len": 6, "status": 1}]), "status 1"),
+        (_set_item("turns", ["model"]), "turn 0 is 'model', not an object"),
+        (_set_item("agent", 7), "agent status 7, not text"),
+    ],
+)
+def test_undecodable_trajectory_fields_raise_decode_error(mutate, reason: str) -> None:  # type: ignore[no-untyped-def]
+    raw = through_redis_reply(codec.encode_group(trajectory_group()))
+    mutate(raw)
+    with pytest.raises(DecodeError, match=reason):
+        codec.decode_group(raw)

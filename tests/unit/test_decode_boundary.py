@@ -19,12 +19,12 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumer.progress import ProduceProgress
-from shared import codec
-from shared.errors import CorruptValueError, DecodeError, RollstreamError
-from shared.events import PAUSE, STOP, WEIGHT_SYNC, RunControl
-from shared.keys import EVALS, MODEL_STEP, PRODUCERS, TRAIN_STEP, Keys
-from shared.records import MAX_STEP, Group, Prompt, Sample, Status
+from rollstream.consumer.progress import ProduceProgress
+from rollstream.shared import codec
+from rollstream.shared.errors import CorruptValueError, DecodeError, RollstreamError
+from rollstream.shared.events import PAUSE, STOP, WEIGHT_SYNC, RunControl
+from rollstream.shared.keys import EVALS, MODEL_STEP, PRODUCERS, TRAIN_STEP, Keys
+from rollstream.shared.records import MAX_STEP, Group, Prompt, Sample, Status
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts
 
@@ -449,7 +449,7 @@ def test_malformed_events_are_skipped_once_with_a_warning_naming_id_and_field(
     no_step = fake_client.xadd(events, {"type": WEIGHT_SYNC, "ts": 1.0})
     control.publish(STOP)
 
-    with caplog.at_level(logging.WARNING, logger="shared.events"):
+    with caplog.at_level(logging.WARNING, logger="rollstream.shared.events"):
         got = control.events(start)
 
     assert [(e.type, e.model_step) for e in got] == [(WEIGHT_SYNC, 2), (STOP, -1)]
@@ -470,7 +470,7 @@ def test_trailing_malformed_events_are_read_and_warned_about_only_once(
     control = RunControl(fake_client, Keys("exp"))
     first = control.publish(WEIGHT_SYNC, 1)
     fake_client.xadd(control.keys.events, {"type": WEIGHT_SYNC, "model_step": "x", "ts": 1.0})
-    with caplog.at_level(logging.WARNING, logger="shared.events"):
+    with caplog.at_level(logging.WARNING, logger="rollstream.shared.events"):
         assert control.events(first) == []
         assert control.events(first) == []  # the caller's cursor did not move: no second warning
         later = control.publish(WEIGHT_SYNC, 3)

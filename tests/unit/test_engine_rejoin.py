@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from producer.engines import make_engine
-from producer.engines.base import SamplingParams
-from producer.host import EngineHost, StaleWeights
-from producer.pool import LocalPool
-from shared.settings import load_settings
+from rollstream.producer.engines import make_engine
+from rollstream.producer.engines.base import SamplingParams
+from rollstream.producer.host import EngineHost, StaleWeights
+from rollstream.producer.pool import LocalPool
+from rollstream.shared.settings import load_settings
 
 FAST = {"count": 2, "sim": {"time_compression": 1000.0, "median_tokens": 20}}
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from producer.engines.base import FINISH_ABORT, FINISH_LENGTH, EngineError, SamplingParams
-from producer.engines.sim import SimEngine
-from shared.settings import SimEngineSettings
+from rollstream.producer.engines.base import FINISH_ABORT, FINISH_LENGTH, EngineError, SamplingParams
+from rollstream.producer.engines.sim import SimEngine
+from rollstream.shared.settings import SimEngineSettings
 from tests.helpers import ManualClock, wait_for_async
 
 COMPRESSION = 4.0

@@ -6,13 +6,13 @@ from typing import Any
 import pytest
 import redis
 
-import shared.events
-from shared.events import PAUSE, WEIGHT_SYNC, RunControl
-from shared.keys import Keys
+from rollstream.shared import events as shared_events
+from rollstream.shared.events import PAUSE, WEIGHT_SYNC, RunControl
+from rollstream.shared.keys import Keys
 
 
 class FrozenTime:
-    """shared.events' view of the time module: time.time() moves only when a test says."""
+    """rollstream.shared.events' view of the time module: time.time() moves only when a test says."""
 
     def __init__(self, now: float) -> None:
         self.now = now
@@ -41,7 +41,7 @@ def test_heartbeats_list_live_producers_and_drop_dead_ones(
     fake_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = FrozenTime(1_000_000.0)
-    monkeypatch.setattr(shared.events, "time", clock)
+    monkeypatch.setattr(shared_events, "time", clock)
     control = RunControl(fake_client, Keys("exp"))
     control.heartbeat("p1", 2, 5)
     control.heartbeat("p2", 1, 0)

@@ -6,9 +6,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from producer.feeder import Cursor, Feeder
-from shared.buffer import ReplayBuffer
-from shared.errors import FeederError, InputError, PromptFileError
+from rollstream.producer.feeder import Cursor, Feeder
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.errors import FeederError, InputError, PromptFileError
 from tests.conftest import BufferFactory
 
 

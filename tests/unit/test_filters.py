@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from producer.filters import below_target, keep_all, load_filter, load_should_continue, nonzero_reward_std
-from shared.errors import SettingsError
-from shared.records import Group, Prompt, Sample
+from rollstream.producer.filters import (
+    below_target,
+    keep_all,
+    load_filter,
+    load_should_continue,
+    nonzero_reward_std,
+)
+from rollstream.shared.errors import SettingsError
+from rollstream.shared.records import Group, Prompt, Sample
 
 PROMPT = Prompt(uid="u1", task="math", prompt="q", meta={"answer": "1"})
 
@@ -70,7 +76,7 @@ def test_load_filter_builtins_and_dotted_paths() -> None:
 
 def test_load_should_continue() -> None:
     assert load_should_continue("below_target") is below_target
-    assert load_should_continue("producer.filters:below_target") is below_target
+    assert load_should_continue("rollstream.producer.filters:below_target") is below_target
 
 
 @pytest.mark.parametrize(
@@ -78,8 +84,8 @@ def test_load_should_continue() -> None:
     [
         ("nonzero_std", r"filter 'nonzero_std': not a built-in \(nonzero_reward_std, keep_all\)"),
         ("tests.unit.nope:f", "module 'tests.unit.nope' not found"),
-        ("producer.filters:nope", "'producer.filters' has no attribute 'nope'"),
-        ("producer.filters:BUILTIN_FILTERS", "is not callable"),
+        ("rollstream.producer.filters:nope", "'rollstream.producer.filters' has no attribute 'nope'"),
+        ("rollstream.producer.filters:BUILTIN_FILTERS", "is not callable"),
     ],
 )
 def test_load_filter_errors(spec: str, message: str) -> None:

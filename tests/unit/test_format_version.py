@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import redis
 
-from shared import codec
-from shared.buffer import ReplayBuffer
-from shared.errors import FormatError
-from shared.events import WEIGHT_SYNC, RunControl
-from shared.keys import Keys
-from shared.runconfig import check_run_settings
+from rollstream.shared import codec
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.errors import FormatError
+from rollstream.shared.events import WEIGHT_SYNC, RunControl
+from rollstream.shared.keys import Keys
+from rollstream.shared.runconfig import check_run_settings
 from tests.helpers import group_for, prompts
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from producer.judges import JudgeError, apply_rewards, load_judge
-from producer.judges.match import ExactMatchJudge, RegexJudge
-from producer.judges.math import MathJudge, answers_match, extract_answer, last_boxed
-from producer.judges.registry import load_callable
-from shared.errors import SettingsError
-from shared.records import Prompt, Sample
+from rollstream.producer.judges import JudgeError, apply_rewards, load_judge
+from rollstream.producer.judges.match import ExactMatchJudge, RegexJudge
+from rollstream.producer.judges.math import MathJudge, answers_match, extract_answer, last_boxed
+from rollstream.producer.judges.registry import load_callable
+from rollstream.shared.errors import SettingsError
+from rollstream.shared.records import Prompt, Sample
 
 
 def sample(text: str) -> Sample:
@@ -265,19 +265,19 @@ def test_dotted_path_to_a_class_is_instantiated() -> None:
 
 
 def test_dotted_path_into_a_real_package() -> None:
-    assert isinstance(load_judge("producer.judges.math:MathJudge"), MathJudge)
-    assert isinstance(load_judge("producer.judges.match.RegexJudge"), RegexJudge)
+    assert isinstance(load_judge("rollstream.producer.judges.math:MathJudge"), MathJudge)
+    assert isinstance(load_judge("rollstream.producer.judges.match.RegexJudge"), RegexJudge)
 
 
 @pytest.mark.usefixtures("plugin_module")
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("mathh", r"judge 'mathh': not a built-in judge \(math, exact, regex\)"),
+        ("mathh", r"judge 'mathh': not a built-in judge \(math, exact, regex, reverse\)"),
         ("", "not a built-in judge"),
         ("no_such_pkg.mod:judge", "module 'no_such_pkg.mod' not found"),
-        ("producer.judges.nope:judge", "module 'producer.judges.nope' not found"),
-        ("producer.judges.math:Nope", "'producer.judges.math' has no attribute 'Nope'"),
+        ("rollstream.producer.judges.nope:judge", "module 'rollstream.producer.judges.nope' not found"),
+        ("rollstream.producer.judges.math:Nope", "'rollstream.producer.judges.math' has no attribute 'Nope'"),
         ("rollstream_test_plugins:judges.missing", "has no attribute 'missing'"),
         ("rollstream_test_plugins:ANSWER", "int object is not callable"),
         ("rollstream_test_plugins:NotCallable", "instances of NotCallable are not callable"),

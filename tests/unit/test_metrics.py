@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumer.metrics import bootstrap_metric, eval_metrics
-from shared.records import Group, Prompt, Sample
+from rollstream.consumer.metrics import bootstrap_metric, eval_metrics
+from rollstream.shared.records import Group, Prompt, Sample
 
 
 def group(uid: str, scores: list[float]) -> Group:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from producer.feeder import Feeder
-from producer.prompts import read_prompt_file
-from shared.errors import FeederError, InputError, PromptFileError
+from rollstream.producer.feeder import Feeder
+from rollstream.producer.prompts import read_prompt_file
+from rollstream.shared.errors import FeederError, InputError, PromptFileError
 
 
 def write(tmp_path: Path, *lines: str) -> Path:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from producer.prompts import parse_prompt, read_prompt_file
-from shared.errors import InputError, PromptFileError
+from rollstream.producer.prompts import parse_prompt, read_prompt_file
+from rollstream.shared.errors import InputError, PromptFileError
 
 
 def parse(line: str):  # type: ignore[no-untyped-def]

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import fakeredis
 
-from cli.commands import _watch_ray_address
-from shared.events import RunControl
-from shared.keys import Keys
+from rollstream.cli.commands import _watch_ray_address
+from rollstream.shared.events import RunControl
+from rollstream.shared.keys import Keys
 from tests.helpers import wait_for
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from redis.connection import PythonRespSerializer
 
-from shared.resp import CommandWriter
+from rollstream.shared.resp import CommandWriter
 
 redis_py = PythonRespSerializer(
     buffer_cutoff=6000, encode=lambda v: v if isinstance(v, bytes) else str(v).encode()

@@ -8,10 +8,10 @@ import orjson
 import pytest
 import redis
 
-from shared.errors import RunSettingsMismatch, SettingsError
-from shared.keys import RUN_SETTINGS, Keys
-from shared.runconfig import agreed_settings, check_run_settings
-from shared.settings import load_settings
+from rollstream.shared.errors import RunSettingsMismatch, SettingsError
+from rollstream.shared.keys import RUN_SETTINGS, Keys
+from rollstream.shared.runconfig import agreed_settings, check_run_settings
+from rollstream.shared.settings import load_settings
 from tests.conftest import SettingsFactory
 
 

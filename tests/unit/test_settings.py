@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import SettingsError
-from shared.settings import load_settings, redact_url
+from rollstream.shared.errors import SettingsError
+from rollstream.shared.settings import load_settings, redact_url
 
 
 def test_defaults_are_valid() -> None:

@@ -4,13 +4,14 @@ the value with any password masked, and what is allowed."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from shared.errors import SettingsError
-from shared.settings import NON_SETTING_ENV, load_settings, redact_url
+from rollstream.shared.errors import SettingsError
+from rollstream.shared.settings import NON_SETTING_ENV, load_settings, redact_url
 
 PASSWORD = "hunter2-Zq9"
 
@@ -79,7 +80,8 @@ def test_an_unknown_top_level_variable_lists_the_settings(monkeypatch: pytest.Mo
     monkeypatch.setenv("ROLLSTREAM_FOO", "1")
     assert one_line() == (
         "invalid setting foo (ROLLSTREAM_FOO): is not a setting, got '1'; "
-        "the settings are: run, redis, tasks, buffer, engines, rollout, producer, ray, process, log"
+        "the settings are: run, redis, tasks, buffer, engines, rollout, producer, ray, process, log, "
+        "algorithm"
     )
 
 
@@ -107,14 +109,10 @@ def test_variables_that_the_procfile_reads_are_allowed(
     for name in NON_SETTING_ENV:
         monkeypatch.setenv(name, "20")
     monkeypatch.setenv("ROLLSTREAM_CONFIG", str(config))
-    assert {
-        "ROLLSTREAM_CONFIG",
-        "ROLLSTREAM_STEPS",
-        "ROLLSTREAM_PROMPTS",
-        "ROLLSTREAM_EPOCHS",
-        "ROLLSTREAM_TASK",
-        "ROLLSTREAM_REDIS_DIR",
-    } <= NON_SETTING_ENV
+    procfile = (Path(__file__).resolve().parents[2] / "Procfile").read_text()
+    read = set(re.findall(r"\$\{(ROLLSTREAM_[A-Z_]+)", procfile))
+    assert {"ROLLSTREAM_STEPS", "ROLLSTREAM_TRAIN_ARGS"} <= read
+    assert read | {"ROLLSTREAM_CONFIG"} <= NON_SETTING_ENV
     assert load_settings().run == "from-config"
 
 

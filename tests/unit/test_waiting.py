@@ -1,4 +1,4 @@
-"""shared.waiting: bounded waits with back-off, a warning naming what and why, a
+"""rollstream.shared.waiting: bounded waits with back-off, a warning naming what and why, a
 timeout, and a stop flag that ends the wait at once."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import pytest
 
-import shared.waiting
-from shared.errors import WaitTimeout
-from shared.waiting import BASE_S, CAP_S, NotYet, backoff, wait_until
+from rollstream.shared import waiting as shared_waiting
+from rollstream.shared.errors import WaitTimeout
+from rollstream.shared.waiting import BASE_S, CAP_S, NotYet, backoff, wait_until
 
-LOGGER = "shared.waiting"
+LOGGER = "rollstream.shared.waiting"
 
 
 def failing(times: int, value: object = "ready", reason: str = "not there yet") -> Callable[[], object]:
@@ -41,7 +41,7 @@ class NoWait(threading.Event):
 
 @pytest.fixture
 def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shared.waiting, "backoff", lambda attempt, *a, **k: 0.001)
+    monkeypatch.setattr(shared_waiting, "backoff", lambda attempt, *a, **k: 0.001)
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
