@@ -68,3 +68,55 @@ def save_model(directory: Path, seed: int, tokenizer: Any = None, **size: int) -
     make_model(tokenizer, seed, **size).save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# The size the vLLM engine tests use: head_dim 64 (hidden 128 / 2 heads); vLLM's CPU
+# attention has no kernel for the head_dim 16 of the default size.
+VLLM_SIZE = {"hidden": 128, "heads": 2}
+
+
+def load_model(directory: Path) -> Any:
+    """A saved model back, float32 on the CPU, to compute what an engine should have."""
+    model: Any = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
+
+
+def response_logprobs(model: Any, prompt_ids: list[int], response_ids: list[int]) -> Any:
+    """log_softmax of each response token given the prompt and the tokens before it
+    (teacher forcing): what the trainer recomputes, as a numpy array."""
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    rows = torch.log_softmax(logits, dim=-1)
+    return rows.gather(1, torch.tensor(response_ids)[:, None])[:, 0].numpy()
+
+
+def spliced_logprobs(
+    old: Any, new: Any, prompt_ids: list[int], response_ids: list[int], boundary: int
+) -> Any:
+    """The logprobs of a response whose weights changed in place before token ``boundary``
+    (a partial weight sync that kept the KV cache): the prompt and the first
+    ``boundary`` tokens come from ``old``, and so does the cache they leave; the token
+    before ``boundary`` is fed to ``new`` (its step samples token ``boundary``), which
+    attends to the old cache from there on."""
+    prompt, response = list(prompt_ids), list(response_ids)
+    with torch.no_grad():
+        first = old(input_ids=torch.tensor([prompt + response[: boundary - 1]]), use_cache=True)
+        head = torch.log_softmax(first.logits[0, len(prompt) - 1 :].float(), dim=-1)
+        rest = new(
+            input_ids=torch.tensor([response[boundary - 1 : -1]]),
+            past_key_values=first.past_key_values,
+            use_cache=True,
+        )
+        tail = torch.log_softmax(rest.logits[0].float(), dim=-1)
+    rows = torch.cat([head, tail])
+    return rows.gather(1, torch.tensor(response)[:, None])[:, 0].numpy()
+
+
+def greedy_ids(model: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy decoding with transformers, EOS ignored."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids) :]

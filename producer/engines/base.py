@@ -21,8 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import orjson
 
-from shared.errors import RollstreamError
-from shared.records import ID_DTYPE, LOGPROB_DTYPE, FloatArray, IdArray
+from rollstream.shared.errors import RollstreamError
+from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE, FloatArray, IdArray
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

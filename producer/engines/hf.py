@@ -16,6 +16,7 @@ it), as EOS and stop_token_ids are kept, so text and ids agree.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from producer.engines.base import (
+from rollstream.producer.engines.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -37,8 +38,8 @@ from producer.engines.base import (
     Generation,
     SamplingParams,
 )
-from shared.records import ID_DTYPE, LOGPROB_DTYPE
-from shared.settings import HFEngineSettings
+from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE
+from rollstream.shared.settings import EngineSettings, HFEngineSettings
 
 _T = TypeVar("_T")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,6 +76,8 @@ class HFEngine:
         self._resumed.set()
         # One forward pass or weight load at a time: updates land between decode steps
         self._lock = asyncio.Lock()
+        self._started = time.monotonic()
+        self._busy_s = 0.0  # in forward passes, since the start: health's busy_total
 
     def encode_prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         """Token ids of a plain prompt, or of chat messages through the tokenizer's template."""
@@ -140,6 +143,7 @@ class HFEngine:
             queued=0,
             busy_fraction=1.0 if running else 0.0,
             detail=f"hf {self.settings.model} on {self.device}",
+            busy_total=min(1.0, self._busy_s / max(1e-9, time.monotonic() - self._started)),
         )
 
     # --- decoding ----------------------------------------------------------------------
@@ -166,9 +170,11 @@ class HFEngine:
                 if self.paused:  # paused while this request queued for the lock
                     continue
                 version = self.model_step
+                began = time.monotonic()
                 chosen, chosen_logprobs, cache = await _in_thread(
                     self._step, inputs, cache, n, params, generator
                 )
+                self._busy_s += time.monotonic() - began
             for i in range(n):
                 if reasons[i] is not None:  # finished: keeps decoding in the batch, ignored
                     continue
@@ -302,3 +308,8 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
     sorted_probs[before >= top_p] = 0.0
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def from_settings(settings: EngineSettings) -> HFEngine:
+    """The engine of ``engines.kind = "hf"``."""
+    return HFEngine(settings.hf)

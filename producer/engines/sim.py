@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from producer.engines.base import (
+from rollstream.producer.engines.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -40,7 +40,7 @@ from producer.engines.base import (
     Generation,
     SamplingParams,
 )
-from shared.settings import SimEngineSettings
+from rollstream.shared.settings import EngineSettings, SimEngineSettings
 
 _EPS = 1e-9
 _SUM = re.compile(r"What is (-?\d+) \+ (-?\d+)\?")
@@ -303,3 +303,8 @@ class SimEngine:
         timer to the next event."""
         self._advance()
         self._schedule()
+
+
+def from_settings(settings: EngineSettings) -> SimEngine:
+    """The engine of ``engines.kind = "sim"``."""
+    return SimEngine(settings.sim)

@@ -15,9 +15,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 # The engine and the fixtures import torch themselves: only after the skips above
 
-from producer.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineError, SamplingParams  # noqa: E402
-from producer.engines.hf import HFEngine  # noqa: E402
-from shared.settings import HFEngineSettings  # noqa: E402
+from rollstream.producer.engines.base import (  # noqa: E402
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineError,
+    SamplingParams,
+)
+from rollstream.producer.engines.hf import HFEngine  # noqa: E402
+from rollstream.shared.settings import HFEngineSettings  # noqa: E402
 from tests.helpers import wait_for_async  # noqa: E402
 from tests.hf_fixtures import make_tokenizer, save_model  # noqa: E402
 
