@@ -1,6 +1,8 @@
 """The reference trainer: what a real trainer does with consumer/, and the trainer of
-the demo. Its loop reads like slime's train.py; the training itself is a
-configurable step time (a real trainer puts its optimizer step there).
+the demo. Its loop reads like slime's train.py: read the step's batch, train, commit,
+publish the weights, and every few steps evaluate on held-out prompts
+(consumer.evaluation). The training is a real policy-optimisation step of an hf model
+(consumer.pg.PolicyGradient) or, without one, a configurable step time.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from dataclasses import dataclass, field
 
 import redis
 
-from consumer.batches import BatchReader, TrainBatch
-from consumer.pg import PolicyGradient
-from consumer.weights import publish_weights
-from shared.errors import BatchTimeout
-from shared.settings import Settings
+from rollstream.consumer.batches import BatchReader, TrainBatch
+from rollstream.consumer.evaluation import Evaluator
+from rollstream.consumer.pg import PolicyGradient
+from rollstream.consumer.weights import publish_weights
+from rollstream.shared.errors import BatchTimeout
+from rollstream.shared.keys import TRAINER_CONSUMER
+from rollstream.shared.settings import Settings
 
 
 @dataclass(slots=True)
@@ -29,11 +33,7 @@ class StepLog:
     expired: int
     wait_s: float
     train_s: float
-
-    @property
-    def idle_fraction(self) -> float:
-        total = self.wait_s + self.train_s
-        return self.wait_s / total if total > 0 else 0.0
+    eval: dict[str, float] = field(default_factory=dict)  # the evaluator's metrics at this step
 
 
 @dataclass(slots=True)
@@ -54,13 +54,15 @@ class ReferenceTrainer:
         client: redis.Redis,
         settings: Settings,
         step_time_s: float = 0.5,
-        consumer: str = "trainer",
+        consumer: str = TRAINER_CONSUMER,
         policy: PolicyGradient | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         self.settings = settings
         self.reader = BatchReader(client, settings, consumer)
         self.step_time_s = step_time_s
         self.policy = policy  # a real update of an hf model, else a step of step_time_s
+        self.evaluator = evaluator  # eval batches every evaluator.every steps, on synced weights
         # called with (step, batch) after the optimizer step and before the commit, and
         # with (step, None) once the commit is done: an independent record of training
         self.on_commit: Callable[[int, TrainBatch | None], None] | None = None
@@ -89,10 +91,13 @@ class ReferenceTrainer:
             batch.commit()
             if self.on_commit is not None:
                 self.on_commit(step, None)
-            if step % interval == 0:
+            synced = step % interval == 0
+            if synced:
                 uri = self.policy.save(step) if self.policy is not None else None
                 publish_weights(self.reader.control, step, uri)
             entry = self.log_step(step, batch, train_s)
+            if synced and self.evaluator is not None and self.evaluator.due(step):
+                entry.eval = self.evaluator(step, self.reader.control)
             log.steps.append(entry)
             if on_step:
                 on_step(entry)

@@ -1,0 +1,318 @@
+"""A model learns through rollstream: the reverse task (rollstream.cli.reverse) trained
+through the whole pipeline, as the demo, the learning benchmark and its test run it.
+
+    hf engines in Ray actors -> producers -> Redis streams -> ReferenceTrainer with
+    PolicyGradient (consumer.advantages, .losses) -> weights saved and published ->
+    the engines load them (in place, mid-generation, with on_weight_sync "partial")
+
+A ``Recipe`` is a way of training: sync (on-policy: producers generate exactly the
+batch of the next step, on the weights of the last) or async (producers run ahead up
+to ``max_staleness`` weight syncs, and the trainer corrects for the staleness or not).
+Everything else is the issue's reference: GRPO, 8 prompts x 8 samples a step, the
+advantage (r - mean) / (std + 1e-4), Adam at 1e-3, one update a batch.
+
+``run_learning`` does one run on a Redis the caller names (an embedded one in the
+demo and the tests) and the Ray cluster of this process (a local one is started if
+there is none), reporting each step as it goes; steps are numbered from 1 and each
+carries the wall seconds since the trainer started, so that recipes compare by steps
+and by seconds to a reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rollstream.cli import reverse
+from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.consumer.evaluation import EvalSet, Evaluator
+from rollstream.consumer.losses import AlgorithmConfig
+from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.connection import connect
+from rollstream.shared.records import Prompt
+from rollstream.shared.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+PROMPTS_PER_STEP = 8
+TARGET = 0.9  # the mean reward the recipes are compared at
+WINDOW = 10  # steps of the trailing mean that must reach it
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    name: str
+    mode: Literal["sync", "async"]
+    max_staleness: int
+    algorithm: AlgorithmConfig
+    on_weight_sync: Literal["drain", "abort", "partial"] = "partial"
+
+    def describe(self) -> str:
+        a = self.algorithm
+        correction: str = a.loss if a.loss != "pg" else "no correction"
+        if a.importance != "none":
+            correction = f"{a.importance} (cap {a.tis_cap:g})" if a.importance == "tis" else a.importance
+        if self.mode == "sync":
+            return "sync (on-policy)"
+        return f"async, max_staleness {self.max_staleness}, {self.on_weight_sync} sync, {correction}"
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("sync", "sync", 0, reverse.ALGORITHM),
+        Recipe("async", "async", 2, reverse.ALGORITHM),
+        Recipe("async_tis", "async", 2, AlgorithmConfig(adv_eps=1e-4, importance="tis", tis_cap=2.0)),
+        Recipe(
+            "async_decoupled",
+            "async",
+            2,
+            AlgorithmConfig(adv_eps=1e-4, loss="decoupled_ppo", behav_imp_weight_cap=5.0),
+        ),
+    )
+}
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    reward: float  # mean reward of the step's batch
+    seconds: float  # wall seconds from the trainer's start to the end of this step
+    staleness: dict[int, int]  # groups of the batch by staleness
+    wait_s: float = 0.0  # the trainer's wait for the batch
+    eval: dict[str, float] = field(default_factory=dict)  # at eval steps
+
+    @property
+    def mean_staleness(self) -> float:
+        groups = sum(self.staleness.values())
+        return sum(k * v for k, v in self.staleness.items()) / groups if groups else 0.0
+
+    @property
+    def eval_accuracy(self) -> float | None:
+        """Greedy accuracy on the held-out prompts (the greedy set's mean exact score)."""
+        return _metric(self.eval, "eval/greedy/score/mean@")
+
+    @property
+    def eval_reward(self) -> float | None:
+        """mean@k of the reward on the held-out prompts, sampled as in training."""
+        return _metric(self.eval, "eval/heldout/score/mean@")
+
+
+def _metric(metrics: dict[str, float], prefix: str) -> float | None:
+    return next((v for k, v in metrics.items() if k.startswith(prefix)), None)
+
+
+@dataclass(slots=True)
+class LearnResult:
+    recipe: str
+    seed: int
+    settings: Settings
+    steps: list[StepRecord] = field(default_factory=list)
+    setup_s: float = 0.0  # model, prompts, engines up: before the trainer starts
+    prompts_fed: int = 0  # training prompts fed (eval prompts are the coordinator's)
+    engine_busy: float | None = None  # the engines' mean share of wall time in forward passes
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.steps]
+
+    def steps_to(self, target: float = TARGET, window: int = WINDOW) -> int | None:
+        return reverse.steps_to(self.rewards, target, window)
+
+    def seconds_to(self, target: float = TARGET, window: int = WINDOW) -> float | None:
+        step = self.steps_to(target, window)
+        return None if step is None else self.steps[step - 1].seconds
+
+    @property
+    def evals(self) -> list[StepRecord]:
+        return [s for s in self.steps if s.eval]
+
+    def summary(self) -> dict[str, Any]:
+        last = self.evals[-1] if self.evals else None
+        return {
+            "recipe": self.recipe,
+            "seed": self.seed,
+            "steps": len(self.steps),
+            "steps_to_target": self.steps_to(),
+            "seconds_to_target": self.seconds_to(),
+            "seconds": self.steps[-1].seconds if self.steps else 0.0,
+            "setup_s": self.setup_s,
+            "reward_by_step": [round(r, 4) for r in self.rewards],
+            "eval_accuracy": None if last is None else last.eval_accuracy,
+            "eval_reward": None if last is None else last.eval_reward,
+        }
+
+
+def learning_settings(
+    recipe: Recipe, redis_url: str, run: str, model_dir: Path, *, engines: int = 2, n: int = 8
+) -> Settings:
+    """The run's settings: the reverse task on hf engines, the recipe's rollout and algorithm."""
+    return load_settings(
+        run=run,
+        redis={"url": redis_url},
+        tasks=[{"name": reverse.TASK, "n": n}],
+        engines={
+            "kind": "hf",
+            "count": engines,
+            "num_cpus": 1,
+            "max_restarts": 0,
+            "hf": {"model": str(model_dir), "device": "cpu", "dtype": "float32"},
+        },
+        rollout={
+            "mode": recipe.mode,
+            "batch_size": PROMPTS_PER_STEP,
+            "max_staleness": recipe.max_staleness,
+            "sync_weights_interval": 1,
+            "on_weight_sync": recipe.on_weight_sync,
+        },
+        producer={
+            "judge": "reverse",
+            "is_valid": "keep_all",  # as the reference: a group without signal stays in the batch
+            "max_tokens": reverse.MAX_TOKENS,
+            "temperature": 1.0,
+            "max_inflight": 32,
+            "heartbeat_s": 0.5,
+            # fixed: the dynamic one (4 x the mean group time) takes the burst of an eval
+            # batch, queued behind the others on the engines, for stragglers to retry
+            "group_timeout_s": 60.0,
+        },
+        algorithm=recipe.algorithm.model_dump(),
+    )
+
+
+def training_prompts(train: list[Prompt], count: int, seed: int) -> list[Prompt]:
+    """``count`` training prompts: epochs of the train split, each shuffled by the seed,
+    the uid marked with its epoch (a uid is fed once)."""
+    rng = random.Random(seed + 1)
+    out: list[Prompt] = []
+    epoch = 0
+    while len(out) < count:
+        order = list(train)
+        rng.shuffle(order)
+        out += [Prompt(f"{p.uid}.{epoch}", p.task, p.prompt, meta=p.meta) for p in order]
+        epoch += 1
+    return out[:count]
+
+
+def eval_sets(held_out: list[Prompt], count: int) -> list[EvalSet]:
+    """The held-out prompts sampled as in training ("heldout": mean@n of the partial
+    reward) and decoded greedily ("greedy": scored exact, its mean the accuracy)."""
+    sampled = EvalSet("heldout", held_out[:count])
+    return [sampled, sampled.greedy("greedy", scoring="exact")]
+
+
+def run_learning(
+    recipe: Recipe,
+    *,
+    redis_url: str,
+    work_dir: str | Path,
+    seed: int = 0,
+    steps: int = 450,
+    engines: int = 2,
+    producers: int = 1,
+    eval_every: int = 0,
+    eval_prompts: int = 32,
+    stop_at: float | None = None,
+    run: str | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+    lr: float = reverse.LR,
+) -> LearnResult:
+    """One run of ``recipe``: up to ``steps`` train steps (fewer once the trailing mean
+    reward reaches ``stop_at``), an eval every ``eval_every`` steps (0: none)."""
+    import torch
+
+    from rollstream.consumer.pg import PolicyGradient
+    from rollstream.producer.pool import EnginePool, init_ray
+
+    started = time.monotonic()
+    work = Path(work_dir)
+    run = run or f"learn-{recipe.name}-{seed}"
+    model_dir = reverse.save_model(work / run / "model", seed)
+    train, held_out = reverse.all_prompts(seed)
+    settings = learning_settings(recipe, redis_url, run, model_dir, engines=engines)
+    client = connect(settings.redis)
+    # enough for every step, what admission lets producers run ahead, and the evals' none
+    ahead = (settings.rollout.stale_threshold + 2) * PROMPTS_PER_STEP
+    feed = training_prompts(train, steps * PROMPTS_PER_STEP + ahead, seed)
+    fed = ReplayBuffer(client, settings, f"{run}-feeder").feed(feed).added
+    torch.manual_seed(seed)
+    policy = PolicyGradient(str(model_dir), str(work / run / "weights"), lr=lr, algorithm=recipe.algorithm)
+    evaluator = None
+    if eval_every > 0:
+        coordinator = BatchCoordinator(client, settings, consumer=f"{run}-eval")
+        evaluator = Evaluator(coordinator, eval_sets(held_out, eval_prompts), eval_every)
+    trainer = ReferenceTrainer(
+        client, settings, consumer=f"{run}-trainer", policy=policy, evaluator=evaluator
+    )
+    init_ray(local=True)
+    pool = EnginePool.start(settings, detached=False)
+    result = LearnResult(recipe.name, seed, settings, prompts_fed=fed)
+    try:
+        result.setup_s = time.monotonic() - started
+        asyncio.run(_train(pool, trainer, steps, producers, result, stop_at, on_step))
+    finally:
+        EnginePool.stop(settings)
+    return result
+
+
+async def _train(
+    pool: Any,
+    trainer: ReferenceTrainer,
+    steps: int,
+    producers: int,
+    result: LearnResult,
+    stop_at: float | None,
+    on_step: Callable[[StepRecord], None] | None,
+) -> None:
+    """Producers on this event loop, the trainer in a thread; then, when the last step
+    had no eval, one on its weights (while the producers still serve)."""
+    from rollstream.producer.worker import Producer
+
+    settings, client = trainer.settings, trainer.reader.buffer.client
+    stop_producers = asyncio.Event()
+    workers = [Producer(settings, client, pool, f"{settings.run}-producer-{i}") for i in range(producers)]
+    running = [asyncio.create_task(p.run(stop_producers)) for p in workers]
+    stop_training = threading.Event()
+    started = time.monotonic()
+
+    def record(entry: StepLog) -> None:
+        step = StepRecord(
+            entry.step,
+            entry.reward_mean if entry.reward_mean is not None else 0.0,
+            time.monotonic() - started,
+            dict(sorted(entry.staleness.items())),
+            entry.wait_s,
+            entry.eval,
+        )
+        result.steps.append(step)
+        if on_step is not None:
+            on_step(step)
+        if stop_at is not None and result.steps_to(stop_at) is not None:
+            stop_training.set()
+
+    training = asyncio.create_task(asyncio.to_thread(trainer.run, steps, record, stop_training))
+    try:
+        await asyncio.wait([training, *running], return_when=asyncio.FIRST_COMPLETED)
+        if not training.done():  # a producer stopped: the trainer would wait for ever
+            stop_training.set()
+        await training
+        last = result.steps[-1] if result.steps else None
+        if trainer.evaluator is not None and last is not None and not last.eval:
+            last.eval = await asyncio.to_thread(trainer.evaluator, last.step, trainer.reader.control)
+        busy = [h.busy_total for h in await pool.health() if h is not None]
+        result.engine_busy = sum(busy) / len(busy) if busy else None
+    finally:
+        stop_training.set()
+        stop_producers.set()
+        outcomes = await asyncio.gather(*running, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
