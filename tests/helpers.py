@@ -9,7 +9,7 @@ import itertools
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -134,12 +134,16 @@ class ProducerProcess:
     """`rollstream produce` with its output in files: a pipe nobody reads while the test
     waits would fill up and stall the producer."""
 
-    def __init__(self, env: dict[str, str], folder: Path, name: str) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        folder: Path,
+        name: str,
+        command: Sequence[str] = ("produce", "--local-engines"),
+    ) -> None:
         self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(
-                rollstream("produce", "--local-engines"), env=env, stdout=out, stderr=err
-            )
+            self.proc = subprocess.Popen(rollstream(*command), env=env, stdout=out, stderr=err)
 
     def running(self) -> bool:
         """True while it runs; a producer that exited fails the test with its output."""

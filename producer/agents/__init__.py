@@ -9,7 +9,9 @@ holds the agent's own options.
 
 - ``single_turn`` (the default): one response per sample (single.py);
 - ``multi_turn``: model turns alternating with an environment plug-in's (multi.py);
-- ``tool``: the model calls tool plug-ins, their results are the next turns (tools.py).
+- ``tool``: the model calls tool plug-ins, their results are the next turns (tools.py);
+- ``proxy``: an outside agent plays each trajectory through an OpenAI-compatible
+  front door, ``rollstream proxy`` (proxy.py).
 
 Token in, token out (base.py): a trajectory is one token sequence, the model's ids as
 sampled and the others' as tokenised once, with a loss mask; the stream carries it
@@ -40,6 +42,7 @@ _HOMES = {
     "Environment": "multi",
     "MultiTurnAgent": "multi",
     "ToolAgent": "tools",
+    "ProxyAgent": "proxy",
     "ToolCall": "tools",
     "parse_calls": "tools",
     "BUILTIN_AGENTS": "registry",

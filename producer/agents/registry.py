@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 from rollstream.producer.agents.base import Agent, AgentConfig
 from rollstream.producer.agents.multi import MultiTurnAgent
+from rollstream.producer.agents.proxy import ProxyAgent
 from rollstream.producer.agents.single import SingleTurnAgent
 from rollstream.producer.agents.tools import ToolAgent
 from rollstream.producer.judges.registry import import_object
@@ -17,6 +18,7 @@ BUILTIN_AGENTS: Mapping[str, Callable[[AgentConfig], Agent]] = {
     "single_turn": SingleTurnAgent,
     "multi_turn": MultiTurnAgent,
     "tool": ToolAgent,
+    "proxy": ProxyAgent,
 }
 
 

@@ -59,24 +59,35 @@ class TurnText:
             self.template = CHAT_LAYOUT if isinstance(prompt, list) else TEXT_LAYOUT
 
     def render(self, role: str, content: str) -> str:
+        return self.render_many([(role, content)])
+
+    def render_many(self, messages: list[tuple[str, str]]) -> str:
+        """The text of several messages in a row that answer the model (the proxy's calls
+        may add a tool result and a user message at once), ending in the generation prompt."""
         if self.template is not None:
-            return self.template.format(role=role, content=content)
+            parts = [self.template.format(role=role, content=content) for role, content in messages]
+            if self.template == CHAT_LAYOUT:  # the generation prompt once, after the last
+                parts[:-1] = [part.removesuffix("\nassistant:") for part in parts[:-1]]
+            return "".join(parts)
+        roles = ", ".join(repr(role) for role, _ in messages)
         try:
             if self._before is None:
                 self._before = str(self._hf.apply_chat_template(_BEFORE, tokenize=False))
             after = str(
                 self._hf.apply_chat_template(
-                    [*_BEFORE, {"role": role, "content": content}], tokenize=False, add_generation_prompt=True
+                    [*_BEFORE, *({"role": role, "content": content} for role, content in messages)],
+                    tokenize=False,
+                    add_generation_prompt=True,
                 )
             )
         except Exception as exc:  # a template that knows no such role, or wants other turns
             raise ValueError(
-                f"the chat template cannot render a {role!r} message after an assistant turn ({exc}): "
+                f"the chat template cannot render a {roles} message after an assistant turn ({exc}): "
                 "set the agent option turn_template, or the role (observation_role, tool_role)"
             ) from exc
         if not after.startswith(self._before):  # a template that rewrites earlier messages
             raise ValueError(
-                f"the chat template does not render a {role!r} message as an addition to the messages "
+                f"the chat template does not render a {roles} message as an addition to the messages "
                 "before it: set the agent option turn_template"
             )
         return after[len(self._before) :]
