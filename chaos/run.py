@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import shutil
@@ -50,6 +51,8 @@ TASK = "math"
 BATCH = 8
 MAX_STALENESS = 1
 THRESHOLD = MAX_STALENESS + 1  # sync_weights_interval 1
+FIRST_FAULT_STEP = 2  # let the run get going first
+STEPS_BETWEEN_FAULTS = (2, 4)  # train steps from one fault to the next, at random
 CLAIM_IDLE_MS = 3000
 FAULTS = (
     "kill_producer", "kill_trainer", "kill_feeder", "kill_judge", "kill_engine_actor",
@@ -83,7 +86,7 @@ class Chaos:
     out: Path
     prompts: int
     steps: int
-    seconds_between_faults: float
+    seconds_between_faults: float  # at least this long from one fault to the next
     faults: tuple[str, ...]
     seed: int
     port: int = field(default_factory=free_port)
@@ -202,7 +205,10 @@ class Chaos:
         for child in self.children_spec():
             self.children[child.name] = child
             child.start(self.env)
-        next_fault = time.monotonic() + 10.0  # let the run get going first
+        # Faults come by train step, not by the clock: a run that goes faster (a quieter
+        # machine, a faster build) sees as many faults as a slow one, and a short run sees
+        # each kind. They are spaced in time too, so that what was killed can restart.
+        next_fault_step, last_fault = FIRST_FAULT_STEP, -math.inf
         next_sample = time.monotonic()
         while time.monotonic() - self.started < deadline_s:
             now = time.monotonic()
@@ -219,12 +225,14 @@ class Chaos:
             if now >= next_sample:
                 self._sample()
                 next_sample = now + 1.0
-            if self._train_step() >= self.steps:
+            step = self._train_step()
+            if step >= self.steps:
                 self.note("done", f"train step {self.steps}")
                 return True
-            if now >= next_fault and self.faults:
+            if self.faults and step >= next_fault_step and now - last_fault >= self.seconds_between_faults:
                 self.inject(self._next_fault())
-                next_fault = now + self.seconds_between_faults * self.rng.uniform(0.5, 1.5)
+                next_fault_step = step + self.rng.randint(*STEPS_BETWEEN_FAULTS)
+                last_fault = now
             time.sleep(0.2)
         return False
 
@@ -471,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     faults = () if args.no_faults else tuple(args.faults.split(",")) if args.faults else FAULTS
-    prompts, steps, every, deadline = (600, 40, 2.5, 300.0) if args.smoke else (2000, 150, 2.0, 1200.0)
+    prompts, steps, every, deadline = (600, 40, 1.0, 300.0) if args.smoke else (2000, 150, 1.0, 1200.0)
     chaos = Chaos(out, prompts, steps, every, faults, args.seed)
     try:
         finished = chaos.supervise(deadline)

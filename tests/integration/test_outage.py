@@ -38,12 +38,22 @@ class AofRedis:
 
     def start(self) -> None:
         env = {**os.environ, "ROLLSTREAM_REDIS__URL": self.url}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollstream.cli.main", "redis", "--dir", str(self.data)],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        self.data.mkdir(parents=True, exist_ok=True)
+        log = self.data / "server.log"
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rollstream.cli.main", "redis", "--dir", str(self.data)],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
         client = redis.Redis.from_url(self.url)
-        wait_for(lambda: _answers(client), timeout=30)
+        proc = self.proc
+
+        def up() -> bool:
+            code = proc.poll()
+            assert code is None, f"rollstream redis exited with {code}:\n{log.read_text()[-2000:]}"
+            return _answers(client)
+
+        wait_for(up, timeout=30)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
