@@ -146,10 +146,11 @@ class Producer:
         self.paused = self.control.paused()
         rollout, p = self.settings.rollout, self.settings.producer
         await self.pool.sync_weights(self.model_step, mode=rollout.on_weight_sync, timeout_s=p.sync_timeout_s)
-        # an agent with resources of its own (the proxy's HTTP server) may start and close them
-        agent_start, agent_close = (getattr(self.runner.agent, hook, None) for hook in ("start", "close"))
-        if agent_start is not None:
-            await agent_start()
+        # an agent with resources of its own (the proxy's HTTP server) starts and stops them
+        # in these optional hooks: async startup() and shutdown()
+        agent_startup, agent_shutdown = (getattr(self.runner.agent, h, None) for h in ("startup", "shutdown"))
+        if agent_startup is not None:
+            await agent_startup()
         self._open.set()
         log.info(
             "producer %s joins run %r at model step %d%s",
@@ -174,8 +175,8 @@ class Producer:
             for task in background:
                 task.cancel()
             await self._shutdown(self.settings.process.stop_timeout_s / 2)
-            if agent_close is not None:
-                await agent_close()
+            if agent_shutdown is not None:
+                await agent_shutdown()
             await self.record_metrics()
         self.stats.retries = self.runner.retries
         return self.stats

@@ -5,7 +5,9 @@ times as it needs; the producer judges the group, filters it and writes it as ev
 ``producer.agent`` names one: a built-in (``BUILTIN_AGENTS``) or a dotted path
 ``package.module:attr`` to a class or factory that takes an ``AgentConfig`` and
 returns an ``Agent`` (``run_group(rollout, samples)``). ``producer.agent_options``
-holds the agent's own options.
+holds the agent's own options. An agent with resources of its own may also have
+``async startup()`` and ``async shutdown()``: the producer calls them before it claims
+anything and after its last group settled (the proxy serves HTTP between the two).
 
 - ``single_turn`` (the default): one response per sample (single.py);
 - ``multi_turn``: model turns alternating with an environment plug-in's (multi.py);

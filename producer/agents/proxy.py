@@ -115,7 +115,7 @@ class ProxyAgent:
 
     # --- the producer's side -----------------------------------------------------------
 
-    async def start(self) -> None:
+    async def startup(self) -> None:
         """Serve the HTTP API (the producer calls this before it claims anything)."""
         try:
             from aiohttp import web
@@ -139,7 +139,7 @@ class ProxyAgent:
         self.url = self.public_url or f"http://{self.host}:{port}"
         log.info("proxy serves episodes on %s (POST /episodes)", self.url)
 
-    async def close(self) -> None:
+    async def shutdown(self) -> None:
         for episode in self.episodes.values():
             episode.abort("the producer stops")
         if self._runner is not None:

@@ -40,7 +40,7 @@ async def with_episodes(
     play: Callable[[httpx.AsyncClient, list[dict[str, Any]]], Awaitable[None]],
 ) -> list[Sample]:
     """Serve ``samples`` as episodes, let ``play`` take them all and play them."""
-    await agent.start()
+    await agent.startup()
     try:
         group = asyncio.create_task(agent.run_group(rollout, samples))
         async with httpx.AsyncClient(base_url=agent.url, timeout=10) as http:
@@ -52,7 +52,7 @@ async def with_episodes(
             await play(http, episodes)
         return await asyncio.wait_for(group, 10)
     finally:
-        await agent.close()
+        await agent.shutdown()
 
 
 def chat(base: str, messages: list[dict[str, str]], **more: Any) -> dict[str, Any]:
@@ -247,13 +247,13 @@ def test_episodes_without_a_reward_in_time_hand_the_group_back() -> None:
 def test_no_episode_open_is_a_204_and_bad_options_name_the_setting() -> None:
     async def main() -> int:
         agent = proxy()
-        await agent.start()
+        await agent.startup()
         try:
             async with httpx.AsyncClient(base_url=agent.url) as http:
                 assert (await http.get("/health")).json()["status"] == "ok"
                 return (await http.post("/episodes", json={"wait_s": 0.05})).status_code
         finally:
-            await agent.close()
+            await agent.shutdown()
 
     assert asyncio.run(main()) == 204
     with pytest.raises(Exception, match=r"producer.agent_options.*'proxy' has no option 'prot'"):
