@@ -455,7 +455,7 @@ def test_single_turn_asks_as_the_producer_always_did() -> None:
 @pytest.mark.parametrize(
     ("spec", "options", "message"),
     [
-        ("looping", {}, "not a built-in agent \\(single_turn, multi_turn, tool\\)"),
+        ("looping", {}, "not a built-in agent \\(single_turn, multi_turn, tool, proxy\\)"),
         ("single_turn", {"env": GUESS}, "agent 'single_turn' has no option 'env'; its options are none"),
         ("multi_turn", {}, "agent 'multi_turn' needs the option 'env'"),
         ("multi_turn", {"env": "nowhere.mod:Env"}, "producer.agent_options .*module 'nowhere.mod' not found"),
