@@ -54,9 +54,10 @@ from typing import Any
 
 import orjson
 
-from rollstream.producer.agents.base import DONE, AgentConfig, Rollout, Trajectory
+from rollstream.producer.agents.base import DONE, OPTION_ERROR, AgentConfig, Rollout, Trajectory
 from rollstream.producer.engines.base import FINISH_ABORT, FINISH_LENGTH
 from rollstream.producer.tokenizer import BytesTokenizer, HFTokenizer, Tokenizer
+from rollstream.shared.errors import SettingsError
 from rollstream.shared.records import ENV, MODEL, TOOL, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -104,9 +105,9 @@ class ProxyAgent:
         self.config = config
         options = config.options
         self.host = str(options.get("host", "127.0.0.1"))
-        self.port = int(options.get("port", DEFAULT_PORT))
+        self.port = int(_option(options, "port", DEFAULT_PORT, 0, 65535))
         self.public_url = str(options.get("public_url", "")).rstrip("/")
-        self.episode_timeout_s = float(options.get("episode_timeout_s", 600.0))
+        self.episode_timeout_s = _option(options, "episode_timeout_s", 600.0, 0.001, math.inf)
         self.waiting: asyncio.Queue[Episode] = asyncio.Queue()
         self.episodes: dict[str, Episode] = {}
         self._ids = itertools.count(1)
@@ -436,6 +437,16 @@ class Turns:
         except ValueError as exc:
             raise ProxyError(400, str(exc)) from None
         return self.encode_text(text), text
+
+
+def _option(options: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    """A numeric option of the proxy, or a SettingsError naming it and its range."""
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise SettingsError(
+            f"{OPTION_ERROR}: the proxy's {name} must be a number in [{low}, {high}], got {value!r}"
+        )
+    return float(value)
 
 
 def _messages(messages: Any) -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ from rollstream.producer.agents.proxy import ProxyAgent
 from rollstream.producer.agents.registry import load_agent
 from rollstream.producer.agents.text import TurnText
 from rollstream.producer.tokenizer import BytesTokenizer, HFTokenizer
+from rollstream.shared.errors import SettingsError
 from rollstream.shared.records import ENV, MODEL, TOOL, Prompt, Sample, Status
 from tests.unit.test_agents import PROMPT, PROMPT_IDS, Engine, b, fresh
 from tests.unit.test_agents_tokens import CHAT, CharacterModel, tokenizer  # noqa: F401 (a fixture)
@@ -256,5 +257,7 @@ def test_no_episode_open_is_a_204_and_bad_options_name_the_setting() -> None:
             await agent.shutdown()
 
     assert asyncio.run(main()) == 204
-    with pytest.raises(Exception, match=r"producer.agent_options.*'proxy' has no option 'prot'"):
+    with pytest.raises(SettingsError, match=r"producer.agent_options.*'proxy' has no option 'prot'"):
         proxy(prot=1)
+    with pytest.raises(SettingsError, match=r"producer.agent_options.*port must be a number in \[0, 65535\]"):
+        proxy(port="http")
