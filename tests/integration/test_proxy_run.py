@@ -6,11 +6,13 @@ proxy stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -28,13 +30,14 @@ from rollstream.shared.embedded import EmbeddedRedis, free_port
 from rollstream.shared.keys import Keys
 from rollstream.shared.records import ENV, MODEL
 from rollstream.shared.settings import load_settings
-from tests.helpers import ProducerProcess, wait_for
+from tests.helpers import ProducerProcess, still_running, wait_for, wait_for_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "agents"
 GROUPS, N = 4, 2
+ENV_RETURN = "rollstream.producer.agents.rewards:env_return"
 
 
 def test_an_outside_agent_on_the_openai_client_makes_groups_through_the_proxy(
@@ -121,3 +124,74 @@ def test_an_outside_agent_on_the_openai_client_makes_groups_through_the_proxy(
                 if turn.role == ENV:
                     assert bytes(ids).decode() == turn.text
                 start += turn.length
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    from tests.hf_fixtures import save_model
+
+    return save_model(tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+def test_the_proxy_on_the_hf_engine_stores_what_the_model_sampled(
+    redis_server: EmbeddedRedis, run_name: str, tiny_model: Path
+) -> None:
+    """The same example agent against a producer with the hf engine in this process: each
+    model turn is exactly what the engine sampled, given exactly the sequence before it;
+    what the agent added is the chat template's framing, tokenised once."""
+    from tests.integration.test_agent_runs import producer_for, record_generations
+
+    producer = producer_for(
+        redis_server.url,
+        run_name,
+        engines={"kind": "hf", "hf": {"model": str(tiny_model)}},
+        producer={"agent": "proxy", "agent_options": {"port": 0}, "judge": ENV_RETURN, "max_tokens": 8},
+    )
+    made = record_generations(producer)
+    hf = producer.runner.tokenizer.tokenizer  # type: ignore[attr-defined]
+    producer.buffer.feed(read_prompt_file(EXAMPLES / "guess.jsonl", "agent")[:2])
+    agent: Any = producer.runner.agent
+
+    async def main() -> str:
+        stop = asyncio.Event()
+        run = asyncio.create_task(producer.run(stop))
+        await wait_for_async(lambda: still_running(run) and agent.url, timeout=60)
+        play = await asyncio.create_subprocess_exec(
+            sys.executable, str(EXAMPLES / "proxy_agent.py"), "--proxy", agent.url,
+            "--episodes", "4", "--max-turns", "2", "--max-tokens", "8",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(play.communicate(), 120)
+        assert play.returncode == 0, err.decode()[-2000:]
+        client = producer.buffer.client
+        await wait_for_async(
+            lambda: still_running(run) and client.xlen(producer.buffer.keys.groups("agent")) == 2
+        )
+        stop.set()
+        await asyncio.wait_for(run, 60)
+        return out.decode()
+
+    assert "played 4 episodes" in asyncio.run(main())
+    groups = [
+        codec.decode_group(f) for _, f in producer.buffer.client.xrange(producer.buffer.keys.groups("agent"))
+    ]
+    sampled = {tuple(ids) for _, ids in made}
+    contexts = {tuple(context) for context, _ in made}
+    for group in groups:
+        for sample in group.samples:
+            assert sample.prompt_ids.tolist() == producer.runner.tokenizer.encode(
+                [{"role": "user", "content": group.prompt.prompt}]
+            )
+            start = 0
+            for turn in sample.turns:
+                ids = sample.response_ids[start : start + turn.length].tolist()
+                if turn.role == MODEL:
+                    assert tuple(ids) in sampled  # exactly what the engine sampled
+                    assert (
+                        tuple(sample.prompt_ids.tolist() + sample.response_ids[:start].tolist()) in contexts
+                    )
+                else:  # what the agent added, tokenised once, without special tokens
+                    assert turn.role == ENV and ids == hf.encode(turn.text, add_special_tokens=False)
+                start += turn.length
+            assert [t.role for t in sample.turns] in ([MODEL], [MODEL, ENV, MODEL])
