@@ -16,7 +16,7 @@ import orjson
 
 TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 # Libraries that log a line per request at INFO
-QUIET = ("ray", "urllib3", "filelock", "rq.worker")
+QUIET = ("ray", "urllib3", "filelock", "rq.worker", "httpx", "httpcore")
 
 # Attributes every LogRecord has; anything else came in through ``extra=`` and is kept.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}

@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import unquote
 
 import httpx
 import numpy as np
@@ -104,6 +105,7 @@ class _Server:
     step: int | None = None  # the model step of its weights, as far as this engine knows
     text_mode: bool = True  # the token endpoint may detokenize (a --tokens-only server cannot)
     extension: bool | None = None  # runs rollstream's vLLM worker extension (None: not known yet)
+    auth: httpx.BasicAuth | None = None  # the URL's user info, kept out of the URL httpx logs
 
 
 @dataclass(eq=False)
@@ -164,10 +166,10 @@ class HTTPEngine:
         self.settings = settings
         self.model_step = model_step
         self.paused = False
-        self._servers = [
-            _Server(url, redact_url(url), i, step=model_step)
-            for i, url in enumerate(_base_urls(settings.urls, self.kind))
-        ]
+        self._servers: list[_Server] = []
+        for i, url in enumerate(_base_urls(settings.urls, self.kind)):
+            base, auth = _without_userinfo(url)
+            self._servers.append(_Server(base, redact_url(url), i, step=model_step, auth=auth))
         self._transport = transport  # tests put a fake server here
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
@@ -217,31 +219,39 @@ class HTTPEngine:
         return len(ids)
 
     async def pause(self) -> None:
-        servers = self._up()
-        if not servers:
-            raise EngineError(self._all_out())
-        for server in servers:
-            await self._check_can_pause(server)
-        paused: list[_Server] = []
-        try:
-            for server in servers:
+        # under the weights lock: a weight load's own hold (pause, load, resume) and a
+        # returning server brought to the weights and the pause (_ready) see no change
+        async with self._weights:
+            servers = []
+            for server in self._up():
                 try:
-                    await self._pause_on(server)
-                    paused.append(server)
-                except _Unreachable as exc:
+                    await self._check_can_pause(server)
+                    servers.append(server)
+                except _Unreachable as exc:  # paused when it comes back (_ready)
                     self._take_out(server, exc)
-        except BaseException:
-            await self._resume_each(paused)
-            raise
-        if not paused:
-            raise EngineError(self._all_out())
-        self._paused_on = paused
-        self.paused = True
+            if not servers:
+                raise EngineError(self._all_out())
+            paused: list[_Server] = []
+            try:
+                for server in servers:
+                    try:
+                        await self._pause_on(server)
+                        paused.append(server)
+                    except _Unreachable as exc:
+                        self._take_out(server, exc)
+            except BaseException:
+                await self._resume_each(paused)
+                raise
+            if not paused:
+                raise EngineError(self._all_out())
+            self._paused_on = paused
+            self.paused = True
 
     async def resume(self) -> None:
-        paused, self._paused_on = self._paused_on, []
-        self.paused = False
-        await self._resume_each(paused)
+        async with self._weights:
+            paused, self._paused_on = self._paused_on, []
+            self.paused = False
+            await self._resume_each(paused)
 
     async def update_weights(self, model_step: int, path: str | None = None) -> None:
         async with self._weights:
@@ -335,7 +345,12 @@ class HTTPEngine:
             server.outstanding += 1
             call.server = server
             try:
-                await self._ready(server)
+                try:
+                    await self._ready(server)
+                except EngineError as exc:  # it cannot take the engine's weights: out, as if down
+                    raise _Unreachable(str(exc)) from exc
+                if call.aborted:  # while it waited: not sent at all
+                    return [_aborted(self.model_step) for _ in range(n)]
                 return await send(server)
             except _Unreachable as exc:
                 self._take_out(server, exc)
@@ -385,15 +400,17 @@ class HTTPEngine:
         async with self._weights:
             if server.step == self.model_step:
                 return
+            # pause and resume hold the lock too: self.paused holds still until it is released
+            if self.paused:  # it missed the pause too: paused first, so it loads standing still
+                await self._check_can_pause(server)
+                await self._pause_on(server)
+                if server not in self._paused_on:
+                    self._paused_on.append(server)
             if self._path is None:  # never loaded any: the server keeps what it was started with
                 server.step = self.model_step
                 return
             logger.info("%s engine: loading model step %d on %s", self.kind, self.model_step, server.name)
             await self._load_on(server, self.model_step, self._path)
-            if self.paused:  # it missed the pause too
-                await self._check_can_pause(server)
-                await self._pause_on(server)
-                self._paused_on.append(server)
 
     async def _probe_returning(self) -> None:
         """Health probes of the servers whose retry time has come, so that health
@@ -438,6 +455,14 @@ class HTTPEngine:
                     return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(call.done.wait(), _ABORT_RETRY_S)
+        if not call.done.is_set():
+            logger.warning(
+                "%s engine: gave up asking the server to abort %r after %d tries: a request "
+                "not sent yet will not be, one sent may run to its end",
+                self.kind,
+                call.request_id,
+                _ABORT_TRIES,
+            )
 
     async def _resume_each(self, servers: Iterable[_Server]) -> None:
         for server in servers:
@@ -480,12 +505,16 @@ class HTTPEngine:
             kwargs["json"] = body
         if timeout is not None:
             kwargs["timeout"] = timeout
+        if server.auth is not None:
+            kwargs["auth"] = server.auth
         exchange = asyncio.ensure_future(self._http().request(method, server.url + path, **kwargs))
         if call is not None:
             call.exchange = exchange
         try:
             response = await exchange
         except httpx.TransportError as exc:
+            if call is not None and isinstance(exc, httpx.ReadTimeout):
+                raise await self._timed_out(server, path, call) from exc
             reason = f"{type(exc).__name__} on {path}" + (f": {exc}" if str(exc) else "")
             raise _Unreachable(reason) from exc
         finally:
@@ -505,6 +534,18 @@ class HTTPEngine:
             return response.json()
         except ValueError:
             return response.text
+
+    async def _timed_out(self, server: _Server, path: str, call: _Call) -> EngineError:
+        """A generation that outlasted timeout_s: the server is up, busy with it; it is
+        asked to abort it (best effort) and stays in."""
+        asked: bool | None = None
+        with contextlib.suppress(_Unreachable, EngineError):
+            asked = await self._abort_on(server, call)
+        return EngineError(
+            f"{self.kind} engine: a generation on {server.name}{path} exceeded "
+            f"engines.{self.kind}.timeout_s = {self.settings.timeout_s} s"
+            + ("; the server was asked to abort it" if asked else "")
+        )
 
     async def _paths(self, server: _Server, candidates: dict[str, tuple[str, str, Any]]) -> set[str]:
         """The endpoints of ``candidates`` (path -> harmless probe: method, path, body)
@@ -598,6 +639,8 @@ class OpenAIEngine(HTTPEngine):
         start_step: int,
     ) -> list[Generation]:
         paths = await self._paths(server, self._CANDIDATES)
+        if call.aborted:  # while the endpoints were probed: not sent at all
+            return [_aborted(start_step) for _ in range(n)]
         headers = {"X-Request-Id": call.server_id}  # vLLM takes it as the request's id
         try:
             if TOKENS in paths:
@@ -1029,6 +1072,17 @@ def _error_text(response: httpx.Response) -> str:
 def _describe(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _without_userinfo(url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """The URL without its user info, and that as basic auth: httpx logs request URLs.
+    The user info ends at the last '@', as redact_url reads it."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return url, None
+    user, _, password = userinfo.partition(":")
+    return f"{scheme}{sep}{host}", httpx.BasicAuth(unquote(user), unquote(password))
 
 
 def _base_urls(urls: list[str], kind: str) -> list[str]:

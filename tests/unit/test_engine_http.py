@@ -83,6 +83,11 @@ class FakeServer:
         self.extension = True  # runs rollstream's vLLM worker extension
         self.error_echo = False  # errors repeat the Authorization header (a careless server)
         self.held = 0
+        self.urls: list[httpx.URL] = []  # of every request, as the transport got it
+        self.gates: dict[str, asyncio.Event] = {}  # requests to these paths wait for the event
+        self.gated = 0
+        self.timeouts: set[str] = set()  # requests to these paths end in a read timeout
+        self.paused = False  # by /pause (/pause_generation) until /resume (/continue_generation)
 
     def paths_called(self) -> list[str]:
         return [path for _, path, _ in self.calls]
@@ -95,6 +100,16 @@ class FakeServer:
         body = json.loads(request.content) if request.content else dict(request.url.params)
         self.calls.append((request.method, path, body))
         self.headers.append(request.headers)
+        self.urls.append(request.url)
+        gate = self.gates.get(path)
+        if gate is not None:
+            self.gated += 1
+            try:
+                await gate.wait()
+            finally:
+                self.gated -= 1
+        if path in self.timeouts:
+            raise httpx.ReadTimeout("timed out", request=request)
         if self.error_echo:
             return httpx.Response(
                 400, json={"error": {"message": f"bad auth {request.headers['authorization']}"}}
@@ -156,6 +171,7 @@ class FakeServer:
                 return httpx.Response(400, json={"error": {"message": "body.new_version: Field required"}})
             return httpx.Response(200, json={"success": True, "new_version": body["new_version"]})
         if path in ("/pause", "/resume"):
+            self.paused = path == "/pause"
             return httpx.Response(200, json=fixture("openai", path.strip("/")))
         if path == "/is_paused":
             return httpx.Response(200, json={"is_paused": False})
@@ -180,6 +196,8 @@ class FakeServer:
             "/update_weight_version": "update_weight_version",
             "/get_model_info": "get_model_info",
         }
+        if path in ("/pause_generation", "/continue_generation"):
+            self.paused = path == "/pause_generation"
         if path in names:
             return httpx.Response(200, json=fixture("sglang", names[path]))
         return httpx.Response(404, json={"detail": "Not Found"})
@@ -920,3 +938,217 @@ def test_sglang_health_probes_a_returning_server(clock: Clock) -> None:
         await engine.aclose()
 
     run(test)
+
+
+# --- take-out, pause, abort and timeout races ---------------------------------------
+
+
+def started(coroutine: Coroutine[Any, Any, Any], flag: asyncio.Event) -> asyncio.Future[Any]:
+    """A task of ``coroutine``; ``flag`` is set when it runs: once the test sees the flag,
+    the coroutine has run up to where it first waits."""
+
+    async def go() -> Any:
+        flag.set()
+        return await coroutine
+
+    return asyncio.ensure_future(go())
+
+
+def test_pause_takes_out_a_server_that_does_not_answer_and_pauses_it_when_back(clock: Clock) -> None:
+    a, b = FakeServer("openai"), FakeServer("openai")
+    a.down = True
+    fleet = Fleet({"http://a:8000": a, "http://b:8000": b})
+
+    async def test() -> None:
+        engine = engine_for(OpenAIEngine, fleet, retry_s=5.0)
+        await engine.pause()  # a does not answer its probe: out, not an error; b paused
+        assert engine.paused and b.paused and not a.calls
+        health = await engine.health()
+        assert "1 of 2 servers up" in health.detail and "Connection refused" in health.detail
+        a.down = False
+        clock.time += 5.0
+        await engine.generate(PROMPT, PARAMS, n=2)  # a, back, is paused before it serves
+        assert a.paused and a.paths_called()[-2:] == ["/pause", "/inference/v1/generate"]
+        await engine.resume()
+        assert not a.paused and not b.paused and not engine.paused
+        await engine.aclose()
+
+    run(test)
+
+
+def test_resume_while_a_returning_server_is_paused_resumes_it_too(clock: Clock, weights: Path) -> None:
+    a, b = FakeServer("openai"), FakeServer("openai")
+    fleet = Fleet({"http://a:8000": a, "http://b:8000": b})
+
+    async def test() -> None:
+        engine = engine_for(OpenAIEngine, fleet, retry_s=1.0)
+        await engine.update_weights(1, str(weights))
+        await engine.pause()
+        a.down = True
+        await engine.generate(PROMPT, PARAMS, n=2)  # a refuses: out; b serves
+        a.down = False
+        clock.time += 1.0
+        gate = a.gates["/pause"] = asyncio.Event()
+        task = asyncio.ensure_future(engine.generate(PROMPT, PARAMS, n=2))  # a: paused and loaded first
+        await wait_for_async(lambda: a.gated == 1)
+        flag = asyncio.Event()
+        resuming = started(engine.resume(), flag)
+        await wait_for_async(flag.is_set)
+        gate.set()
+        await asyncio.gather(task, resuming)
+        assert not engine.paused and not a.paused and not b.paused
+        await engine.aclose()
+
+    run(test)
+
+
+def test_pause_during_the_hold_of_a_weight_load_waits_for_it(weights: Path) -> None:
+    server = FakeServer("openai")
+    fleet = Fleet({"http://a:8000": server})
+
+    async def test() -> None:
+        engine = engine_for(OpenAIEngine, fleet)
+        gate = server.gates["/collective_rpc"] = asyncio.Event()
+        update = asyncio.ensure_future(engine.update_weights(1, str(weights)))  # drain / abort mode
+        await wait_for_async(lambda: server.gated == 1)
+        assert server.paused  # held still by the load itself
+        flag = asyncio.Event()
+        pausing = started(engine.pause(), flag)  # partial mode of a later sync
+        await wait_for_async(flag.is_set)
+        gate.set()
+        await asyncio.gather(update, pausing)
+        assert engine.paused and server.paused  # the load's own resume came before the pause
+        await engine.resume()
+        assert not server.paused
+        await engine.aclose()
+
+    run(test)
+
+
+def test_an_abort_while_the_endpoints_are_probed_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(http_engine, "_ABORT_TRIES", 2)
+    monkeypatch.setattr(http_engine, "_ABORT_RETRY_S", 0.01)
+    server = FakeServer("openai")
+    fleet = Fleet({"http://a:8000": server})
+
+    async def test() -> None:
+        engine = engine_for(OpenAIEngine, fleet)
+        gate = server.gates["/openapi.json"] = asyncio.Event()
+        task = asyncio.ensure_future(engine.generate(PROMPT, PARAMS, n=2, request_id="r1"))
+        await wait_for_async(lambda: server.gated == 1)
+        assert await engine.abort(["r1"]) == 1
+        await wait_for_async(lambda: "gave up asking the server to abort 'r1'" in caplog.text)
+        gate.set()
+        out = await task
+        assert [(g.finish_reason, len(g.response_ids)) for g in out] == [(FINISH_ABORT, 0)] * 2
+        assert "/inference/v1/generate" not in server.paths_called()  # never sent
+        await engine.aclose()
+
+    with caplog.at_level(logging.WARNING, logger=http_engine.__name__):
+        run(test)
+
+
+def test_an_abort_while_a_returning_server_loads_the_weights_is_not_lost(clock: Clock, weights: Path) -> None:
+    server = FakeServer("sglang")
+    fleet = Fleet({"http://s:30000": server})
+
+    async def test() -> None:
+        engine = engine_for(SGLangEngine, fleet, retry_s=1.0)
+        await engine.update_weights(1, str(weights))
+        server.down = True
+        with pytest.raises(EngineError, match="no server answers"):
+            await engine.generate(PROMPT, PARAMS, n=2)
+        server.down = False
+        clock.time += 1.0
+        gate = server.gates["/update_weights_from_disk"] = asyncio.Event()
+        task = asyncio.ensure_future(engine.generate(PROMPT, PARAMS, n=2, request_id="r1"))
+        await wait_for_async(lambda: server.gated == 1)
+        assert await engine.abort(["r1"]) == 1
+        gate.set()
+        out = await task
+        assert [(g.finish_reason, len(g.response_ids)) for g in out] == [(FINISH_ABORT, 0)] * 2
+        assert "/generate" not in server.paths_called()  # never sent
+        await engine.aclose()
+
+    run(test)
+
+
+def test_a_server_that_cannot_load_the_weights_is_taken_out(
+    clock: Clock, weights: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = FakeServer("openai"), FakeServer("openai")
+    fleet = Fleet({"http://a:8000": a, "http://b:8000": b})
+
+    async def test() -> None:
+        engine = engine_for(OpenAIEngine, fleet, retry_s=1.0)
+        await engine.update_weights(1, str(weights))
+        a.down = True
+        await engine.generate(PROMPT, PARAMS, n=2)  # a refuses: out; b serves
+        a.down, a.paths = False, VLLM_PLAIN  # back, restarted without dev mode: it cannot load
+        clock.time += 1.0
+        for _ in range(2):
+            assert len(await engine.generate(PROMPT, PARAMS, n=2)) == 2  # b serves
+        assert "/v1/completions" not in a.paths_called()
+        health = await engine.health()
+        assert (
+            "1 of 2 servers up" in health.detail and "loading weights needs /collective_rpc" in health.detail
+        )
+        b.down = True
+        with pytest.raises(EngineError) as error:
+            await engine.generate(PROMPT, PARAMS, n=2)
+        message = str(error.value)
+        assert (
+            "no server answers" in message
+            and "http://a:8000 (loading weights needs /collective_rpc" in message
+        )
+        assert "http://b:8000 (ConnectError" in message
+        await engine.aclose()
+
+    with caplog.at_level(logging.WARNING, logger=http_engine.__name__):
+        run(test)
+    assert "http://a:8000 taken out for 1.0 s: loading weights needs /collective_rpc" in caplog.text
+
+
+def test_a_generation_longer_than_timeout_s_is_aborted_and_its_server_stays_in() -> None:
+    a, b = FakeServer("openai"), FakeServer("openai")
+    a.timeouts.add("/inference/v1/generate")
+    fleet = Fleet({"http://a:8000": a, "http://b:8000": b})
+
+    async def test() -> None:
+        engine = engine_for(OpenAIEngine, fleet, timeout_s=30.0)
+        with pytest.raises(
+            EngineError,
+            match=r"exceeded engines\.openai\.timeout_s = 30\.0 s; the server was asked to abort it",
+        ):
+            await engine.generate(PROMPT, PARAMS, n=2, request_id="r1")
+        aborts = [body["request_ids"] for _, path, body in a.calls if path == "/inference/v1/abort_requests"]
+        assert (
+            len(aborts) == 1 and aborts[0][0].startswith("generate-tokens-") and aborts[0][0].endswith("-r1")
+        )
+        assert "/inference/v1/generate" not in b.paths_called()  # not started again elsewhere
+        assert "2 of 2 servers up" in (await engine.health()).detail
+        a.timeouts.clear()
+        await engine.generate(PROMPT, PARAMS, n=2)
+        assert a.paths_called()[-1] == "/inference/v1/generate"  # a serves on
+        await engine.aclose()
+
+    run(test)
+
+
+def test_user_info_goes_as_basic_auth_never_in_a_request_url(caplog: pytest.LogCaptureFixture) -> None:
+    server = FakeServer("openai")
+    fleet = Fleet({"http://admin:hunter%402@a:8000": server})
+
+    async def test() -> None:
+        engine = engine_for(OpenAIEngine, fleet, api_key="")
+        await engine.generate(PROMPT, PARAMS, n=2)
+        assert server.urls and all(url.userinfo == b"" for url in server.urls)
+        basic = httpx.BasicAuth("admin", "hunter@2")._auth_header  # the password percent-decoded
+        assert {h["authorization"] for h in server.headers} == {basic}
+        await engine.aclose()
+
+    with caplog.at_level(logging.INFO, logger="httpx"):
+        run(test)
+    assert "HTTP Request" in caplog.text and "hunter" not in caplog.text
