@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 
 OPTIONS = ("host", "port", "public_url", "episode_timeout_s")
 DEFAULT_PORT = 8642
+SHUTDOWN_S = 5.0  # how long a stopping proxy lets the calls in progress finish
 ABORTED_EPISODE = "episode_aborted"
 
 
@@ -105,13 +106,19 @@ class ProxyAgent:
         self.config = config
         options = config.options
         self.host = str(options.get("host", "127.0.0.1"))
-        self.port = int(_option(options, "port", DEFAULT_PORT, 0, 65535))
+        port = _option(options, "port", DEFAULT_PORT, 0, 65535)
+        if not port.is_integer():
+            raise SettingsError(
+                f"{OPTION_ERROR}: the proxy's port must be an integer, got {options['port']!r}"
+            )
+        self.port = int(port)
         self.public_url = str(options.get("public_url", "")).rstrip("/")
         self.episode_timeout_s = _option(options, "episode_timeout_s", 600.0, 0.001, math.inf)
         self.waiting: asyncio.Queue[Episode] = asyncio.Queue()
         self.episodes: dict[str, Episode] = {}
         self._ids = itertools.count(1)
         self._runner: Any = None
+        self._closing = asyncio.Event()  # set by shutdown: the agents waiting for an episode get 204
         self.url = ""
 
     # --- the producer's side -----------------------------------------------------------
@@ -132,15 +139,24 @@ class ProxyAgent:
                 web.post("/episodes/{id}/reward", self._reward),
             ]
         )
-        self._runner = web.AppRunner(app, access_log=None)
+        self._closing.clear()
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        try:
+            await web.TCPSite(self._runner, self.host, self.port).start()
+        except OSError as exc:  # the port is in use, the host is not this machine's
+            await self._runner.cleanup()
+            self._runner = None
+            raise SettingsError(
+                f"{OPTION_ERROR}: the proxy cannot serve on {self.host}:{self.port}: {exc.strerror or exc} "
+                "(set the proxy's host and port; port 0 takes a free one)"
+            ) from exc
         port = self._runner.addresses[0][1]
         self.url = self.public_url or f"http://{self.host}:{port}"
         log.info("proxy serves episodes on %s (POST /episodes)", self.url)
 
     async def shutdown(self) -> None:
+        self._closing.set()
         for episode in self.episodes.values():
             episode.abort("the producer stops")
         if self._runner is not None:
@@ -170,6 +186,7 @@ class ProxyAgent:
             for e in episodes:
                 e.abort("the producer stops")
                 self.episodes.pop(e.id, None)
+            self._unqueue(episodes)
         if any(e.aborted for e in episodes):
             rollout.aborting = True
             return [_nothing_kept(s) for s in samples]
@@ -181,6 +198,33 @@ class ProxyAgent:
         self.episodes[episode.id] = episode
         self.waiting.put_nowait(episode)
         return episode
+
+    def _unqueue(self, ended: list[Episode]) -> None:
+        """Drop ended episodes from those waiting to be taken: when no agent polls, each
+        group that times out would leave its episodes there, each holding its rollout."""
+        gone, kept = set(ended), []
+        while not self.waiting.empty():
+            episode = self.waiting.get_nowait()
+            if episode not in gone:
+                kept.append(episode)
+        for episode in kept:
+            self.waiting.put_nowait(episode)
+
+    async def _next(self, timeout: float) -> Episode | None:
+        """The next episode waiting to be taken, or None after ``timeout`` s (0: only one
+        already waiting) or once the proxy stops."""
+        try:
+            return self.waiting.get_nowait()
+        except asyncio.QueueEmpty:
+            if timeout <= 0 or self._closing.is_set():
+                return None
+        get, closing = asyncio.ensure_future(self.waiting.get()), asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait((get, closing), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            get.cancel()  # a get cancelled before it took its episode leaves it in the queue
+        return get.result() if get.done() and not get.cancelled() else None
 
     def _sample(self, episode: Episode) -> Sample:
         trajectory = episode.trajectory
@@ -204,10 +248,8 @@ class ProxyAgent:
         wait_s = _number(body.get("wait_s", 30.0), "wait_s", 0.0, 3600.0)
         deadline = time.monotonic() + wait_s
         while True:
-            try:
-                remaining = max(0.0, deadline - time.monotonic())
-                episode = await asyncio.wait_for(self.waiting.get(), timeout=remaining)
-            except TimeoutError:
+            episode = await self._next(deadline - time.monotonic())
+            if episode is None:
                 return web.Response(status=204)
             if not episode.ended.is_set():  # an episode whose group went away is skipped
                 break
@@ -235,6 +277,7 @@ class ProxyAgent:
             episode = self._episode(request)
             body = await _body(request)
             async with episode.lock:  # one call at a time: each continues the one before
+                _live(episode)  # the call or reward before this one may have ended it
                 return _json(await self._generate(episode, body, style))
         except ProxyError as exc:
             return _error(exc)
@@ -245,6 +288,7 @@ class ProxyAgent:
             body = await _body(request)
             reward = _number(body.get("reward"), "reward", -math.inf, math.inf)
             async with episode.lock:
+                _live(episode)  # a call before this one may have been aborted
                 if episode.trajectory is None or episode.trajectory.model_turns == 0:
                     raise ProxyError(400, f"episode {episode.id} has no model turn to reward")
                 episode.reward = reward
@@ -258,11 +302,7 @@ class ProxyAgent:
         episode = self.episodes.get(episode_id)
         if episode is None:
             raise ProxyError(404, f"no open episode {episode_id!r} (it ended, or never was)", "not_found")
-        if episode.aborted:
-            raise ProxyError(409, f"episode {episode_id} was aborted: {episode.aborted}", ABORTED_EPISODE)
-        if episode.ended.is_set():
-            raise ProxyError(409, f"episode {episode_id} has its reward already: it is over", "episode_over")
-        return episode
+        return _live(episode)
 
     # --- one call ----------------------------------------------------------------------
 
@@ -282,18 +322,18 @@ class ProxyAgent:
             added, role, text = self._chat_turn(episode, tokenizer, history)
         else:
             added, role, text = self._completion_turn(episode, tokenizer, body.get("prompt"))
-        trajectory = episode.trajectory
+        # nothing changes before the call is known good: a refused or failed call leaves the
+        # episode as it was, so that the agent's retry adds its turn once
+        trajectory, turn_ids = episode.trajectory, added
         if trajectory is None:
-            trajectory = Trajectory(added)
-        elif added:
-            trajectory.add_turn(role, added, text)
+            trajectory, turn_ids = Trajectory(added), []
         if trajectory.model_turns >= config.max_turns:
             raise ProxyError(
                 400, f"episode {episode.id} has had its {config.max_turns} model turns (producer.max_turns)"
             )
         max_tokens = min(_max_tokens(body, config.max_tokens), config.max_tokens)
         if config.max_trajectory_tokens:
-            max_tokens = min(max_tokens, config.max_trajectory_tokens - trajectory.length)
+            max_tokens = min(max_tokens, config.max_trajectory_tokens - trajectory.length - len(turn_ids))
             if max_tokens <= 0:
                 raise ProxyError(400, f"episode {episode.id} has spent producer.max_trajectory_tokens")
         stop = body.get("stop") or []
@@ -301,8 +341,8 @@ class ProxyAgent:
         if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
             raise ProxyError(400, "stop must be a string or a list of strings")
         key = f"/{episode.number}.{trajectory.model_turns}"
-        (generation,) = await rollout.generate(trajectory.context(), 1, max_tokens, key, stop)
-        if generation.finish_reason == FINISH_ABORT:
+        (generation,) = await rollout.generate(trajectory.context() + turn_ids, 1, max_tokens, key, stop)
+        if generation.finish_reason == FINISH_ABORT or episode.aborted:
             for other in self.episodes.values():  # the whole group goes back: none of it goes on
                 if other.rollout is rollout:
                     other.abort("its group was aborted (a weight sync in abort mode, a pause or a stop)")
@@ -310,6 +350,8 @@ class ProxyAgent:
         # committed only now: a refused or aborted call leaves the episode as it was
         episode.trajectory = trajectory
         episode.style = style
+        if turn_ids:
+            trajectory.add_turn(role, turn_ids, text)
         trajectory.add_model(generation)
         if style == "chat":
             episode.messages = [*history, ("assistant", generation.text)]
@@ -447,6 +489,15 @@ def _option(options: dict[str, Any], name: str, default: float, low: float, high
             f"{OPTION_ERROR}: the proxy's {name} must be a number in [{low}, {high}], got {value!r}"
         )
     return float(value)
+
+
+def _live(episode: Episode) -> Episode:
+    """The episode, or a 409 when it is over (aborted, or its reward is in)."""
+    if episode.aborted:
+        raise ProxyError(409, f"episode {episode.id} was aborted: {episode.aborted}", ABORTED_EPISODE)
+    if episode.ended.is_set():
+        raise ProxyError(409, f"episode {episode.id} has its reward already: it is over", "episode_over")
+    return episode
 
 
 def _messages(messages: Any) -> list[tuple[str, str]]:

@@ -7,16 +7,19 @@ nothing kept."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
 
-pytest.importorskip("aiohttp")
+from tests.helpers import require, wait_for_async
+
+require("aiohttp", "proxy")
 
 from rollstream.producer.agents.base import AgentConfig, Rollout
-from rollstream.producer.agents.proxy import ProxyAgent
+from rollstream.producer.agents.proxy import SHUTDOWN_S, ProxyAgent
 from rollstream.producer.agents.registry import load_agent
 from rollstream.producer.agents.text import TurnText
 from rollstream.producer.tokenizer import BytesTokenizer, HFTokenizer
@@ -28,8 +31,8 @@ from tests.unit.test_agents_tokens import CHAT, CharacterModel, tokenizer  # noq
 CHAT_PROMPT = Prompt(uid="g1", task="guess", prompt=CHAT, meta={"answer": 42})
 
 
-def proxy(**options: Any) -> ProxyAgent:
-    agent = load_agent("proxy", AgentConfig(32, 4, 0, "partial", {"port": 0, **options}))
+def proxy(max_trajectory_tokens: int = 0, **options: Any) -> ProxyAgent:
+    agent = load_agent("proxy", AgentConfig(32, 4, max_trajectory_tokens, "partial", {"port": 0, **options}))
     assert isinstance(agent, ProxyAgent)
     return agent
 
@@ -114,13 +117,19 @@ def test_a_chat_episode_is_the_sampled_ids_and_what_each_call_added_tokenised_on
     assert rendered != model.contexts[1]
 
 
-def scripted(replies: list[list[str]]) -> tuple[Engine, Rollout]:
+def scripted(
+    replies: list[list[str]], before: Callable[[int, int], Awaitable[None]] | None = None
+) -> tuple[Engine, Rollout]:
+    """An engine that says episode i's turn t as ``replies[i][t]`` (after awaiting
+    ``before(i, t)``, which may hold or fail the request)."""
     engine = Engine(replies)
 
     async def request(ids: list[int], n: int, max_tokens: int, rid: str, stop: Any) -> Any:
         # the proxy's request ids end in /<episode>.<turn>: answer episode - 1's script
         episode, turn = (int(x) for x in rid.rsplit("/", 1)[1].split("."))
         engine.requests.append({"ids": list(ids), "n": n, "max_tokens": max_tokens, "id": rid, "stop": stop})
+        if before is not None:
+            await before(episode - 1, turn)
         return [engine.reply(episode - 1, turn, max_tokens)]
 
     return engine, Rollout(PROMPT, PROMPT_IDS, BytesTokenizer(), request, "guess:q1#1-0#1")
@@ -261,3 +270,220 @@ def test_no_episode_open_is_a_204_and_bad_options_name_the_setting() -> None:
         proxy(prot=1)
     with pytest.raises(SettingsError, match=r"producer.agent_options.*port must be a number in \[0, 65535\]"):
         proxy(port="http")
+
+
+class Held:
+    """``before`` for scripted(): holds turn ``turn`` of every episode until released."""
+
+    def __init__(self, turn: int) -> None:
+        self.turn, self.reached, self.release = turn, asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, episode: int, turn: int) -> None:
+        if turn == self.turn:
+            self.reached.set()
+            await self.release.wait()
+
+
+class CountingLock(asyncio.Lock):
+    """An episode's lock that counts the calls waiting for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+
+    async def acquire(self) -> bool:
+        self.waiting += 1
+        try:
+            return await super().acquire()
+        finally:
+            self.waiting -= 1
+
+
+class CountingQueue(asyncio.Queue):  # type: ignore[type-arg]
+    """The proxy's queue of episodes, counting the agents waiting to take one."""
+
+    takers = 0
+
+    async def get(self) -> Any:
+        self.takers += 1
+        try:
+            return await super().get()
+        finally:
+            self.takers -= 1
+
+
+def test_a_refused_or_failed_call_leaves_the_episode_as_it_was_for_the_retry() -> None:
+    failures = [RuntimeError("the engine went away")]
+
+    async def fail_once(episode: int, turn: int) -> None:
+        if turn == 1 and failures:
+            raise failures.pop()
+
+    engine, rollout = scripted([["12", "3"]], before=fail_once)
+    answers: list[int] = []
+
+    async def play(http: httpx.AsyncClient, episodes: list[dict[str, Any]]) -> None:
+        (episode,) = episodes
+        base, user = episode["base_url"], [{"role": "user", "content": PROMPT.prompt}]
+        assert (await http.post(**chat(base, user))).status_code == 200
+        said = [*user, {"role": "assistant", "content": "12"}]
+        follow = [*said, {"role": "user", "content": "lower"}]
+        too_long = [*said, {"role": "user", "content": "much lower"}]  # over max_trajectory_tokens
+        for call in (chat(base, follow, max_tokens=0), chat(base, follow, stop=5), chat(base, too_long)):
+            answers.append((await http.post(**call)).status_code)
+        answers.append((await http.post(**chat(base, follow))).status_code)  # the engine fails
+        assert (await http.post(**chat(base, follow))).status_code == 200, "the retry"
+        assert (
+            await http.post(f"/episodes/{episode['episode_id']}/reward", json={"reward": 1.0})
+        ).status_code == 200
+
+    turn = b("\nuser: lower\nassistant:")
+    agent = proxy(max_trajectory_tokens=len(b("12")) + len(turn) + 1)
+    (sample,) = asyncio.run(with_episodes(agent, rollout, fresh(1), play))
+    assert answers == [400, 400, 400, 500]
+    # the user's message is in the trajectory once, though the call was made five times
+    assert [(t.role, t.length) for t in sample.turns] == [(MODEL, 2), (ENV, len(turn)), (MODEL, 1)]
+    assert sample.response_ids.tolist() == b("12") + turn + b("3")
+    prompt_ids = sample.prompt_ids.tolist()
+    assert [r["ids"] for r in engine.requests[1:]] == [prompt_ids + b("12") + turn] * 2  # failed, retried
+
+
+def test_a_reward_waiting_behind_a_call_that_is_aborted_is_refused() -> None:
+    held = Held(turn=1)
+    engine, rollout = scripted([["12", "3"]], before=held)
+    engine.abort_at.add((0, 1))
+    answers: list[httpx.Response] = []
+
+    async def play(http: httpx.AsyncClient, episodes: list[dict[str, Any]]) -> None:
+        (episode,) = episodes
+        lock = agent.episodes[episode["episode_id"]].lock = CountingLock()
+        base, user = episode["base_url"], [{"role": "user", "content": PROMPT.prompt}]
+        assert (await http.post(**chat(base, user))).status_code == 200
+        follow = [*user, {"role": "assistant", "content": "12"}, {"role": "user", "content": "lower"}]
+        call = asyncio.create_task(http.post(**chat(base, follow)))
+        await held.reached.wait()
+        reward = asyncio.create_task(
+            http.post(f"/episodes/{episode['episode_id']}/reward", json={"reward": 1.0})
+        )
+        await wait_for_async(lambda: lock.waiting == 1)
+        held.release.set()
+        answers.extend(await asyncio.gather(call, reward))
+
+    agent = proxy()
+    (sample,) = asyncio.run(with_episodes(agent, rollout, fresh(1), play))
+    assert [a.status_code for a in answers] == [409, 409]
+    assert all(a.json()["error"]["type"] == "episode_aborted" for a in answers)
+    assert sample.status is Status.ABORTED and len(sample.response_ids) == 0
+
+
+def test_a_call_waiting_behind_the_reward_finds_the_episode_over() -> None:
+    held = Held(turn=1)
+    engine, rollout = scripted([["12", "3", "4"]], before=held)
+    answers: list[httpx.Response] = []
+
+    async def play(http: httpx.AsyncClient, episodes: list[dict[str, Any]]) -> None:
+        (episode,) = episodes
+        lock = agent.episodes[episode["episode_id"]].lock = CountingLock()
+        base, user = episode["base_url"], [{"role": "user", "content": PROMPT.prompt}]
+        assert (await http.post(**chat(base, user))).status_code == 200
+        follow = [*user, {"role": "assistant", "content": "12"}, {"role": "user", "content": "lower"}]
+        call = asyncio.create_task(http.post(**chat(base, follow)))
+        await held.reached.wait()
+        reward = asyncio.create_task(
+            http.post(f"/episodes/{episode['episode_id']}/reward", json={"reward": 1.0})
+        )
+        await wait_for_async(lambda: lock.waiting == 1)
+        again = [*follow, {"role": "assistant", "content": "3"}, {"role": "user", "content": "higher"}]
+        late = asyncio.create_task(http.post(**chat(base, again)))
+        await wait_for_async(lambda: lock.waiting == 2)
+        held.release.set()
+        answers.extend(await asyncio.gather(call, reward, late))
+
+    agent = proxy()
+    (sample,) = asyncio.run(with_episodes(agent, rollout, fresh(1), play))
+    assert [a.status_code for a in answers] == [200, 200, 409]
+    assert answers[2].json()["error"]["type"] == "episode_over"
+    assert len(engine.requests) == 2  # nothing generated on the finished episode
+    assert sample.status is Status.COMPLETED and [t.role for t in sample.turns] == [MODEL, ENV, MODEL]
+
+
+def test_wait_s_0_takes_an_episode_already_waiting_past_ended_ones() -> None:
+    _, rollout = scripted([["1"], ["1"]])
+
+    async def main() -> tuple[str, httpx.Response, httpx.Response]:
+        agent = proxy()
+        await agent.startup()
+        group = asyncio.create_task(agent.run_group(rollout, fresh(2)))
+        try:
+            await wait_for_async(lambda: agent.waiting.qsize() == 2)
+            first, second = agent.episodes.values()
+            first.abort("its agent went away")  # still in the queue: skipped
+            async with httpx.AsyncClient(base_url=agent.url, timeout=10) as http:
+                taken = await http.post("/episodes", json={"wait_s": 0})
+                none_left = await http.post("/episodes", json={"wait_s": 0})
+            return second.id, taken, none_left
+        finally:
+            await agent.shutdown()
+            await asyncio.wait_for(group, 10)
+
+    second, taken, none_left = asyncio.run(main())
+    assert taken.status_code == 200 and taken.json()["episode_id"] == second
+    assert none_left.status_code == 204
+
+
+def test_the_episodes_of_a_group_that_ended_untaken_leave_the_queue() -> None:
+    _, gone = scripted([["1"], ["1"]])
+    _, kept = scripted([["1"], ["1"]])
+
+    async def main() -> tuple[list[Sample], int, httpx.Response]:
+        agent = proxy()
+        await agent.startup()
+        later = asyncio.create_task(agent.run_group(kept, fresh(2)))
+        try:
+            samples = asyncio.create_task(agent.run_group(gone, fresh(2)))
+            await wait_for_async(lambda: agent.waiting.qsize() == 4)
+            gone.aborting = True  # a pause: the group ends, no agent took its episodes
+            ended = await asyncio.wait_for(samples, 10)
+            async with httpx.AsyncClient(base_url=agent.url, timeout=10) as http:
+                open_episodes = (await http.get("/health")).json()["open_episodes"]
+                taken = await http.post("/episodes", json={"wait_s": 0})
+            return ended, open_episodes, taken
+        finally:
+            await agent.shutdown()
+            await asyncio.wait_for(later, 10)
+
+    ended, open_episodes, taken = asyncio.run(main())
+    assert all(s.status is Status.ABORTED for s in ended)
+    assert open_episodes == 2  # the other group's
+    assert taken.status_code == 200 and taken.json()["uid"] == "q1"
+
+
+def test_shutdown_answers_the_agents_waiting_for_an_episode_at_once() -> None:
+    async def main() -> int:
+        agent = proxy()
+        agent.waiting = queue = CountingQueue()
+        await agent.startup()
+        async with httpx.AsyncClient(base_url=agent.url, timeout=30) as http:
+            take = asyncio.create_task(http.post("/episodes", json={"wait_s": 3600}))
+            await wait_for_async(lambda: queue.takers == 1)
+            await asyncio.wait_for(agent.shutdown(), SHUTDOWN_S - 1)  # not aiohttp's grace period
+            return (await take).status_code
+
+    assert asyncio.run(main()) == 204
+
+
+def test_a_port_in_use_or_not_an_integer_is_a_settings_error_naming_it() -> None:
+    with pytest.raises(SettingsError, match=r"producer.agent_options.*port must be an integer, got 8080.5"):
+        proxy(port=8080.5)
+
+    async def main() -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            agent = proxy(port=port)
+            with pytest.raises(SettingsError, match=rf"cannot serve on 127\.0\.0\.1:{port}"):
+                await agent.startup()
+            assert agent._runner is None  # cleaned up
+
+    asyncio.run(main())
