@@ -154,6 +154,7 @@ class VLLMEngine:
         dtype = str(self.llm.model_config.dtype)
         self.tolerance = selfcheck.TOLERANCE_FP32 if dtype.endswith("float32") else selfcheck.TOLERANCE_HALF
         self._requests: dict[str, int] = {}  # request id -> n
+        self._aborting: set[asyncio.Task[None]] = set()  # aborts asked again until they take
         self._busy = _BusyClock()
         self._ready = False  # the version label set (and the start-up check done)
         self._ready_lock = asyncio.Lock()
@@ -178,7 +179,26 @@ class VLLMEngine:
         ids = list(self._requests) if request_ids is None else [r for r in request_ids if r in self._requests]
         if ids:
             await self._vllm(self.llm.abort(ids), "abort")
+            # AsyncLLM registers a request only after awaits of its own (input processing,
+            # one sample at a time when n > 1), and an abort of an id it does not know yet
+            # does nothing: ask again until the request has ended
+            task = asyncio.ensure_future(self._abort_until_done(ids))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
         return len(ids)
+
+    async def _abort_until_done(self, ids: list[str], every_s: float = 0.05, for_s: float = 30.0) -> None:
+        deadline = time.monotonic() + for_s
+        while (left := [r for r in ids if r in self._requests]) and not self._dead:
+            if time.monotonic() > deadline:
+                log.warning("vllm engine: requests %s still run %.0f s after their abort", left, for_s)
+                return
+            await asyncio.sleep(every_s)
+            try:
+                await self.llm.abort(left)
+            except Exception as exc:  # the engine died: its requests fail on their own
+                log.warning("vllm engine: abort of %s failed: %s", left, exc)
+                return
 
     async def pause(self) -> None:
         self._check_alive()
@@ -337,10 +357,10 @@ class VLLMEngine:
         return Generation(ids, logprobs, versions, reason, text=output.text or "", error=error)
 
     @staticmethod
-    def _step_of(version: str, default: int) -> int:
+    def _step_of(version: str | None, default: int) -> int:
         try:
-            return int(version)
-        except ValueError:  # "default": weights that were never labelled (the start-up ones)
+            return int(version)  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # "default" or none: weights never labelled (the start-up ones)
             return default
 
     # --- readiness, death, trust -------------------------------------------------------

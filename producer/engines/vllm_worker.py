@@ -49,6 +49,13 @@ def tied_weights(files: list[Path], ties: bool) -> Iterator[tuple[str, Any]]:
             names.update(dict.fromkeys(handle.keys(), file))
     embeddings = [n for n in names if n.endswith(EMBEDDINGS_SUFFIX)]
     add_head = ties and LM_HEAD not in names and len(embeddings) == 1
+    if ties and LM_HEAD not in names and len(embeddings) != 1:
+        log.warning(
+            "the model ties its lm_head to its embeddings, the files have no %s and %d tensors "
+            "named *%s: the lm_head is left to vLLM's own tie, which an in-place reload may not "
+            "move (turn on engines.vllm.self_check to catch it)",
+            LM_HEAD, len(embeddings), EMBEDDINGS_SUFFIX,
+        )  # fmt: skip
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
