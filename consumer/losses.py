@@ -255,7 +255,8 @@ def policy_loss(
     """The loss ``config`` selects (objective × behaviour correction × aggregation) and
     its metrics.
 
-    ``old_logprobs`` (μ) may be None only for ``pg`` without a correction;
+    ``old_logprobs`` (μ) may be None, or NaN on trained tokens (``consumer.tensors`` puts
+    NaN where the engine recorded none), only for ``pg`` without a correction;
     ``proximal_logprobs`` is required by ``decoupled_ppo``; ``seq_index`` marks
     sequences in a packed layout (rows are sequences without it).
 
@@ -273,13 +274,21 @@ def policy_loss(
 
     cfg = config if config is not None else AlgorithmConfig()
     mask = loss_mask.bool()
-    adv = advantages.detach().to(logprobs.dtype)
     zeros = torch.zeros_like(logprobs)
+    # masked before any product: a NaN off the mask times the 0 gradient torch.where
+    # hands back would still be NaN in the backward pass
+    adv = torch.where(mask, advantages.detach().to(logprobs.dtype), zeros)
     behaviour = None
     if old_logprobs is not None:
         behaviour = torch.where(mask, old_logprobs.detach().to(logprobs.dtype), zeros)
         if bool(torch.isnan(behaviour).any()):
-            raise ValueError("old_logprobs has NaN on trained tokens: the behaviour logprobs are missing")
+            if cfg.needs_behaviour_logprobs:
+                raise ValueError(
+                    "old_logprobs has NaN on trained tokens: the behaviour logprobs are missing "
+                    f"(an engine that recorded none), and loss {cfg.loss!r} with importance "
+                    f"{cfg.importance!r} needs them"
+                )
+            behaviour = None  # pg without a correction: trained without them, no ratio metrics
     if behaviour is None and cfg.needs_behaviour_logprobs:
         raise ValueError(
             f"loss {cfg.loss!r} with importance {cfg.importance!r} needs old_logprobs: the behaviour "

@@ -65,14 +65,13 @@ class PolicyGradient:
         if cfg.needs_behaviour_logprobs:
             _require_logprobs(groups, cfg)
         tokens = to_padded(groups, advantages, pad_id=self.pad_id, device=self.device)
-        known = bool(tokens.logprobs_known[tokens.loss_mask].all())
         logprobs = self.logprobs(tokens)
         # decoupled PPO's proximal policy is the one of just before the update: with one
         # update per batch, the weights this forward pass ran with (no second pass needed)
         proximal = logprobs.detach() if cfg.needs_proximal_logprobs else None
         loss, metrics = policy_loss(
             logprobs,
-            tokens.old_logprobs if known else None,
+            tokens.old_logprobs,  # NaN where an engine recorded none: refused where needed
             tokens.advantages,
             tokens.loss_mask,
             cfg,

@@ -26,7 +26,8 @@ Outside the positions that predict response tokens, ``old_logprobs`` and ``advan
 are 0 and ``versions`` -1; on the untrained ones inside (an environment's tokens) they
 hold what was stored, which the loss mask keeps out of every loss.
 A sample whose engine recorded no logprobs (or NaN ones) has ``logprobs_known`` False on
-its tokens and 0 in ``old_logprobs``: losses that need the behaviour policy refuse it.
+its tokens and NaN in ``old_logprobs`` there, so that no loss can take it for a recorded
+value: ``losses.policy_loss`` refuses it where the loss needs the behaviour policy.
 
 Padded (``to_padded``): one row per sample, right padding with ``pad_id``,
 ``attention_mask`` 0 on padding. Packed (``to_packed``): all samples in one row
@@ -130,8 +131,10 @@ def _row(sample: Sample, index: int, advantage: float, mask: npt.ArrayLike | Non
     known = np.zeros(length, dtype=np.bool_)
     if len(sample.logprobs) == r:
         finite = np.isfinite(sample.logprobs)
-        old[span] = np.where(finite, sample.logprobs, 0.0)
+        old[span] = np.where(finite, sample.logprobs, np.nan)
         known[span] = finite
+    else:
+        old[span] = np.nan
     versions = np.full(length, -1, dtype=np.int64)
     versions[span] = sample.response_versions
     adv = np.zeros(length, dtype=np.float32)

@@ -8,15 +8,13 @@ comparisons can be tight.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 from pydantic import ValidationError
 
-if os.environ.get("CI"):  # CI installs the hf extra: a missing torch fails there, never skips
-    import torch
-else:
-    torch = pytest.importorskip("torch")
+from tests.helpers import require
+
+torch = require("torch", "hf")
 
 from rollstream.consumer.losses import (
     AlgorithmConfig,
@@ -307,6 +305,25 @@ def test_missing_inputs_are_refused() -> None:
         AlgorithmConfig(loss="ppo"),
     )  # fmt: skip
     assert value(loss) == pytest.approx(-1.0)  # ratio 1, advantage 1, one token
+
+
+@pytest.mark.parametrize("loss_name", ["pg", "ppo"])
+def test_nan_advantages_off_the_mask_leave_the_gradient_finite(loss_name: str) -> None:
+    lp = logs(0.5, 0.25, grad=True)
+    loss, _ = policy_loss(
+        lp, logs(0.5, 0.25), row(2.0, NAN), torch.tensor([[True, False]]), AlgorithmConfig(loss=loss_name)
+    )
+    # d/dlogπ of -A·log π (pg) or -A·π/μ at π = μ (ppo) on the one trained token: -2; 0 off it
+    assert grad_of(loss, lp) == pytest.approx([-2.0, 0.0])
+
+
+def test_pg_without_a_correction_trains_on_unknown_behaviour_logprobs() -> None:
+    lp = logs(0.5, grad=True)
+    loss, metrics = policy_loss(lp, row(NAN), row(1.0), ones(1), AlgorithmConfig(loss="pg"))
+    assert value(loss) == pytest.approx(-math.log(0.5))
+    assert "ratio_mean" not in metrics  # nothing to take a ratio against
+    with pytest.raises(ValueError, match="importance 'tis' needs them"):
+        policy_loss(lp, row(NAN), row(1.0), ones(1), AlgorithmConfig(importance="tis"))
 
 
 def test_config_names_what_is_wrong() -> None:
