@@ -466,6 +466,12 @@ def train(
         task = eval_task or settings.tasks[0].name
         settings.task(task)
         held_out = read_prompt_file(eval_file, task)  # every line checked before anything runs
+        interval = settings.rollout.sync_weights_interval
+        if eval_every % interval:
+            raise SettingsError(
+                f"--eval-every {eval_every} must be a multiple of rollout.sync_weights_interval "
+                f"({interval}): an eval runs on the weights a sync has just published"
+            )
 
     policy = None
     if hf_model:

@@ -68,3 +68,15 @@ def test_a_bad_eval_file_names_the_line(redis_server: EmbeddedRedis, run_name: s
                             timeout=60)  # fmt: skip
     assert result.returncode == 2
     assert f"{bad}:4:" in result.stderr
+
+
+def test_an_eval_between_weight_syncs_is_refused(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
+) -> None:
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", 3)
+    env = env_for(redis_server.url, run_name) | {"ROLLSTREAM_ROLLOUT__SYNC_WEIGHTS_INTERVAL": "3"}
+    command = [sys.executable, "-m", "rollstream.cli.main", "train", "--steps", "1",
+               "--eval-file", str(eval_file), "--eval-every", "10"]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "--eval-every 10 must be a multiple of rollout.sync_weights_interval (3)" in result.stderr
