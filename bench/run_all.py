@@ -7,6 +7,8 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
   scale        bench/scale.py (B4): 1/2/4 producer processes; memory over a long run
   summary      bench/summary.py: what the summary field of group entries costs
   learning     bench/learning.py: a model learns through rollstream; sync vs async steps and seconds
+  vllm_pipeline bench/vllm_pipeline.py (P5): rollstream on a vLLM engine against vLLM alone;
+               the weight-sync time of each engine kind
 
     .venv/bin/python bench/run_all.py            # ~6 min on 2 cores
     .venv/bin/python bench/run_all.py --quick    # ~2 min, smoke sizes
@@ -33,6 +35,7 @@ BENCHES: dict[str, list[str]] = {
     "durability": [],
     "summary": [],
     "learning": [],
+    "vllm_pipeline": [],
 }
 
 
@@ -153,6 +156,13 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
                 | {"reached": r["reached"]}
                 for name, r in learn["recipes"].items()
             },
+        }
+    if vllm := read_json(RESULTS / "vllm_pipeline.json"):
+        out["vllm_pipeline"] = {
+            "ratio": vllm["ratios"]["rollstream/alone"],
+            "tokens_per_s": {k: v["median"] for k, v in vllm["tokens_per_s"].items()},
+            "target": vllm["targets"]["ratio"],
+            "sync_ms": vllm["sync_ms"],
         }
     if durability := read_json(RESULTS / "durability.json"):
         out["durability"] = {
@@ -296,6 +306,25 @@ def summary_table(r: dict[str, Any]) -> str:
                     "< 1" if corrected else "-",
                     x["seconds_over_sync"]["median"] < 1 if corrected else None,
                 )
+    if v := r.get("vllm_pipeline"):
+        add(
+            "vllm_pipeline.ratio (P5)",
+            show(v["ratio"], ".2f"),
+            "rollstream / vLLM alone, generated tokens/s, round pair by pair ("
+            + " / ".join(f"{k} {x:,.0f}" for k, x in v["tokens_per_s"].items())
+            + ")",
+            f">= {v['target']}",
+            v["ratio"]["median"] >= v["target"],
+        )
+        add(
+            "vllm_pipeline.partial_sync_ms",
+            " / ".join(
+                f"{k} {s['reload_idle_s']:.0f}" for k, s in v["sync_ms"].items() if "reload_idle_s" in s
+            ),
+            "pause + reload + resume of one engine, idle (median ms per engine kind)",
+            "-",
+            None,
+        )
     return table(["metric", "value", "ratio of", "target", ""], rows, left=5)
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import importlib
+import importlib.util
 import inspect
 import itertools
+import os
 import subprocess
 import sys
 import time
@@ -13,11 +16,26 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import redis
 
 from rollstream.shared.records import Group, Prompt, Sample
 
 T = TypeVar("T")
+
+
+def require(module: str, extra: str, *, load: bool = True) -> Any:
+    """An optional dependency a test module needs, from the extra that installs it.
+
+    In CI (CI set) every extra is installed and a missing one fails the run, never skips
+    it; elsewhere the test module is skipped. ``load=False`` only looks for the module
+    without importing it (vllm is imported only inside the engine actors, never by a test
+    process); it then returns None."""
+    if importlib.util.find_spec(module.partition(".")[0]) is None:
+        if os.environ.get("CI"):
+            raise ImportError(f"{module} is not installed: CI runs these tests (pip install -e '.[{extra}]')")
+        pytest.skip(f"{module} is not installed (extra {extra})", allow_module_level=True)
+    return importlib.import_module(module) if load else None
 
 
 def prompts(task: str, count: int, start: int = 0) -> list[Prompt]:

@@ -24,7 +24,7 @@ from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import PAUSE, RESUME, WEIGHT_SYNC
 from rollstream.shared.records import ENV, MODEL, TOOL, Group, Prompt
 from rollstream.shared.settings import load_settings
-from tests.helpers import still_running, wait_for_async
+from tests.helpers import require, still_running, wait_for_async
 from tests.plugins.agent_engine import AgentEngine
 
 pytestmark = pytest.mark.integration
@@ -271,7 +271,7 @@ def test_a_paused_trajectory_resumes_from_its_last_complete_turn(
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     from tests.hf_fixtures import save_model
 
     return save_model(tmp_path_factory.mktemp("tiny"), seed=3)

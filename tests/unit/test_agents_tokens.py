@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers")
+from tests.helpers import require
+
+require("transformers", "hf")
 
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as tokenizer_models

@@ -11,21 +11,23 @@ from typing import Any, Literal
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from tests.helpers import require
+
+torch = require("torch", "hf")
+require("transformers", "hf")
 # The engine and the fixtures import torch themselves: only after the skips above
 
-from rollstream.producer.engines.base import (  # noqa: E402
+from rollstream.producer.engines.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
     EngineError,
     SamplingParams,
 )
-from rollstream.producer.engines.hf import HFEngine  # noqa: E402
-from rollstream.shared.settings import HFEngineSettings  # noqa: E402
-from tests.helpers import wait_for_async  # noqa: E402
-from tests.hf_fixtures import make_tokenizer, save_model  # noqa: E402
+from rollstream.producer.engines.hf import HFEngine
+from rollstream.shared.settings import HFEngineSettings
+from tests.helpers import wait_for_async
+from tests.hf_fixtures import make_tokenizer, save_model
 
 PROMPT = "the cat sat on the mat"
 

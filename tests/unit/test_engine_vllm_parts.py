@@ -17,6 +17,7 @@ from rollstream.producer.engines import vllm as vllm_engine
 from rollstream.producer.engines.selfcheck import Reference, first_difference
 from rollstream.producer.pool import engine_env
 from rollstream.shared.settings import EngineSettings, VLLMEngineSettings
+from tests.helpers import require
 
 
 def test_importing_the_engine_does_not_import_vllm() -> None:
@@ -77,8 +78,8 @@ def test_first_difference_tells_wrong_tokens_from_near_ties() -> None:
 
 
 def test_tied_weights_feed_the_embeddings_as_lm_head_when_the_files_lack_it(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    safetensors_torch = pytest.importorskip("safetensors.torch")
+    torch = require("torch", "hf")
+    safetensors_torch = require("safetensors.torch", "hf")
     from rollstream.producer.engines.vllm_worker import checkpoint_files, tied_weights
 
     embed = torch.arange(6.0).reshape(3, 2)

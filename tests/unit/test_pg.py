@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-if os.environ.get("CI"):  # CI installs the hf extra: a missing torch fails there, never skips
-    import torch
-    import transformers  # noqa: F401
-else:
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+from tests.helpers import require
+
+torch = require("torch", "hf")
+require("transformers", "hf")
 
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.losses import AlgorithmConfig

@@ -4,14 +4,9 @@ packed; a mask the caller passes narrows it further."""
 
 from __future__ import annotations
 
-import os
+from tests.helpers import require
 
-import pytest
-
-if os.environ.get("CI"):  # CI installs the hf extra: a missing torch fails there, never skips
-    import torch  # noqa: F401
-else:
-    pytest.importorskip("torch")
+require("torch", "hf")
 
 from rollstream.consumer.tensors import to_packed, to_padded
 from rollstream.shared import codec
