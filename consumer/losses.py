@@ -52,6 +52,15 @@ current policy, detached, for ``pg`` and ``ppo``; π_prox for ``decoupled_ppo``)
 Log-ratios are clamped to [-20, 20] before ``exp`` (as verl does), so a token the
 current policy finds far likelier or unlikelier than μ does not overflow.
 
+μ is what the engines record: the sampled token's logprob under the model's own
+distribution, before temperature and top-p (vLLM's "raw" logprobs; the hf and sim
+engines alike), and ``consumer.tensors.token_logprobs`` computes π the same way. The
+ratios above therefore measure how far the weights have moved (staleness, and any
+numerical mismatch between engine and trainer), not the sampler's shaping: with a
+temperature other than 1 or top-p < 1 they are not the ratio to the distribution the
+tokens were drawn from. verl divides the logits by the temperature instead; rollstream
+keeps both sides untempered so that the recorded and the recomputed values agree.
+
 Aggregation (``agg``) of the per-token losses ℓ over the trained tokens:
 
 - ``token_mean``: ``Σ ℓ / number of tokens`` in the batch (DAPO's token-level loss);
@@ -348,12 +357,12 @@ def policy_loss(
 
     metrics["loss"] = float(loss.detach())
     metrics["tokens"] = float(mask.sum())
-    if ratio is not None:
-        metrics["ratio_mean"] = _mean(ratio, mask)
-        metrics["ratio_min"] = _extreme(ratio, mask, largest=False)
-        metrics["ratio_max"] = _extreme(ratio, mask, largest=True)
-        metrics["approx_kl"] = _mean(ratio - 1 - ratio.log(), mask)
-    metrics["clip_fraction"] = _mean(took_over.float(), mask)
+    if ratio is not None:  # over the tokens trained (masked IS's dropped sequences left out)
+        metrics["ratio_mean"] = _mean(ratio, trained)
+        metrics["ratio_min"] = _extreme(ratio, trained, largest=False)
+        metrics["ratio_max"] = _extreme(ratio, trained, largest=True)
+        metrics["approx_kl"] = _mean(ratio - 1 - ratio.log(), trained)
+    metrics["clip_fraction"] = _mean(took_over.float(), trained)
     metrics["is_weight_mean"] = _mean(weight, trained)
     metrics["is_weight_max"] = _extreme(weight, trained, largest=True)
     return loss, dict(sorted(metrics.items()))

@@ -299,7 +299,10 @@ class VLLMEngine:
             )
         from vllm.inputs import TokensPrompt
 
-        sampling = self._sampling(params, n, min(params.max_tokens, room))
+        try:
+            sampling = self._sampling(params, n, min(params.max_tokens, room))
+        except ValueError as exc:  # vLLM's own checks (max_tokens >= 1, temperature, top_p, ...)
+            raise EngineError(f"vllm engine: sampling parameters refused: {exc}") from exc
         if not self._requests:
             self._stats.clear()  # counts of an idle engine's last step are stale
         self._requests[request_id] = n

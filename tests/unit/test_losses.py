@@ -288,6 +288,15 @@ def test_masked_is_with_ppo_drops_without_reweighting() -> None:
     assert grad_of(loss, lp) == pytest.approx([0, 0, -0.6, -0.45, 0, 0])
 
 
+def test_ratio_metrics_leave_out_the_dropped_sequences() -> None:
+    lp, old, adv, mask = mis_batch()
+    cfg = AlgorithmConfig(loss="ppo", eps_low=0.3, eps_high=0.3, importance="masked_is", mis_upper=2.0)
+    _, metrics = policy_loss(lp, old, adv, mask, cfg)
+    # the trained sequence's ratios are 1.2 and 0.9; the dropped ones' go outside that
+    assert (metrics["ratio_min"], metrics["ratio_max"]) == pytest.approx((0.9, 1.2))
+    assert metrics["ratio_mean"] == pytest.approx(1.05)
+
+
 # --- what the composed loss refuses ------------------------------------------------------
 
 
