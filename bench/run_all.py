@@ -10,7 +10,7 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
   vllm_pipeline bench/vllm_pipeline.py (P5): rollstream on a vLLM engine against vLLM alone;
                the weight-sync time of each engine kind
 
-    .venv/bin/python bench/run_all.py            # ~6 min on 2 cores
+    .venv/bin/python bench/run_all.py            # ~20 min on 2 cores
     .venv/bin/python bench/run_all.py --quick    # ~2 min, smoke sizes
     .venv/bin/python bench/run_all.py --skip buffer scale
 """
