@@ -65,7 +65,12 @@ from rollstream.shared.settings import EngineSettings, HTTPEngineSettings, redac
 
 logger = logging.getLogger(__name__)
 
-_UNAVAILABLE = (502, 503, 504)  # a proxy without a backend, a server starting or overloaded
+_UNAVAILABLE = (
+    429,
+    502,
+    503,
+    504,
+)  # overloaded or rate-limited, a proxy without a backend, a server starting
 _HEALTH_TIMEOUT_S = 2.0  # a health probe of a server that was out (health answers within 5 s)
 _CONTROL_TIMEOUT_S = 30.0  # capability probes and aborts (a busy server builds its schema slowly)
 _ABORT_RETRY_S = 0.25  # an abort can reach a server before the request does: send it again

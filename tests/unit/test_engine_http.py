@@ -1075,6 +1075,25 @@ def test_an_abort_while_a_returning_server_loads_the_weights_is_not_lost(clock: 
     run(test)
 
 
+@pytest.mark.parametrize("status", [429, 502, 503, 504])
+def test_an_overloaded_or_unavailable_server_is_taken_out_and_the_request_served_elsewhere(
+    clock: Clock, status: int
+) -> None:
+    a, b = FakeServer("openai"), FakeServer("openai")
+    a.generate_status, a.generate_reply = status, {"error": {"message": "busy"}}
+    fleet = Fleet({"http://a:8000": a, "http://b:8000": b})
+
+    async def test() -> None:
+        engine = engine_for(OpenAIEngine, fleet, retry_s=5.0)
+        for _ in range(3):  # whichever it tries first, b serves them all
+            assert len(await engine.generate(PROMPT, PARAMS, n=2)) == 2
+        health = await engine.health()
+        assert "1 of 2 servers up" in health.detail and f"HTTP {status}" in health.detail
+        await engine.aclose()
+
+    run(test)
+
+
 def test_a_server_that_cannot_load_the_weights_is_taken_out(
     clock: Clock, weights: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
