@@ -5,6 +5,7 @@ self-check arithmetic, and that importing it does not import vLLM.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from rollstream.producer.engines import vllm as vllm_engine
 from rollstream.producer.engines.selfcheck import Reference, first_difference
 from rollstream.producer.pool import engine_env
 from rollstream.shared.settings import EngineSettings, VLLMEngineSettings
-from tests.helpers import require
+from tests.helpers import require, wait_for_async
 
 
 def test_importing_the_engine_does_not_import_vllm() -> None:
@@ -104,3 +105,31 @@ def test_a_weights_directory_without_safetensors_is_named(tmp_path: Path) -> Non
         checkpoint_files(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         checkpoint_files(str(tmp_path / "missing"))
+
+
+def test_an_abort_is_asked_again_until_its_request_ends() -> None:
+    """AsyncLLM ignores an abort of a request it has not registered yet (it awaits input
+    processing first): the engine asks again until the request is gone."""
+
+    class LLM:  # AsyncLLM's abort, recorded; the engine needs no more of it here
+        errored = False
+
+        def __init__(self) -> None:
+            self.aborts: list[list[str]] = []
+
+        async def abort(self, ids: list[str]) -> None:
+            self.aborts.append(list(ids))
+
+    async def main() -> None:
+        engine = object.__new__(vllm_engine.VLLMEngine)  # without vLLM: the parts abort uses
+        engine.llm, engine._dead, engine._aborting = LLM(), "", set()
+        engine._requests = {"r": 2, "other": 1}
+        assert await engine.abort(["r", "unknown"]) == 1
+        await wait_for_async(lambda: len(engine.llm.aborts) >= 3)  # not registered yet: again
+        assert all(ids == ["r"] for ids in engine.llm.aborts)
+        del engine._requests["r"]  # the abort took: the request ended
+        await wait_for_async(lambda: not engine._aborting)
+        asked = len(engine.llm.aborts)
+        assert await engine.abort(["r"]) == 0 and len(engine.llm.aborts) == asked  # nothing to ask
+
+    asyncio.run(main())
