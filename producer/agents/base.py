@@ -116,9 +116,20 @@ class Rollout:
         self.tokenizer = tokenizer
         self.request_id = request_id
         self.on_weight_sync = on_weight_sync
-        self.aborting = False
+        self.aborted = asyncio.Event()  # set with ``aborting``: for agents that wait on it
         self.issued: list[str] = []  # the request ids of the attempt, in order
         self._request = request
+
+    @property
+    def aborting(self) -> bool:
+        return self.aborted.is_set()
+
+    @aborting.setter
+    def aborting(self, value: bool) -> None:
+        if value:
+            self.aborted.set()
+        else:
+            self.aborted.clear()
 
     async def generate(
         self, ids: list[int], n: int, max_tokens: int, key: str = "", stop: Sequence[str] = ()

@@ -181,7 +181,9 @@ class ProxyAgent:
                     for e in episodes:
                         e.abort(f"no reward within {self.episode_timeout_s:.0f} s")
                     break
-                await _first_set([e.ended for e in episodes], timeout=0.1)
+                await _first_set(
+                    [rollout.aborted, *(e.ended for e in episodes)], timeout=deadline - time.monotonic()
+                )
         finally:
             for e in episodes:
                 e.abort("the producer stops")
