@@ -302,6 +302,8 @@ class HTTPEngine:
 
     async def aclose(self) -> None:
         """Close the HTTP connections (tests; an engine actor keeps them for its life)."""
+        for task in list(self._aborts):  # nothing left asking the server once it is closed
+            task.cancel()
         if self._client is not None and self._client_loop is asyncio.get_running_loop():
             await self._client.aclose()
         self._client = None
