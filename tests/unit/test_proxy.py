@@ -348,6 +348,23 @@ def test_a_refused_or_failed_call_leaves_the_episode_as_it_was_for_the_retry() -
     assert [r["ids"] for r in engine.requests[1:]] == [prompt_ids + b("12") + turn] * 2  # failed, retried
 
 
+async def reward_behind_a_held_call(
+    http: httpx.AsyncClient, agent: ProxyAgent, episode: dict[str, Any], held: Held
+) -> tuple[asyncio.Task[httpx.Response], asyncio.Task[httpx.Response], list[dict[str, str]], CountingLock]:
+    """The first turn played; the second call held in the engine; the reward posted and
+    waiting for the episode's lock behind it. Returns the call, the reward, the second
+    call's messages and the lock."""
+    lock = agent.episodes[episode["episode_id"]].lock = CountingLock()
+    base, user = episode["base_url"], [{"role": "user", "content": PROMPT.prompt}]
+    assert (await http.post(**chat(base, user))).status_code == 200
+    follow = [*user, {"role": "assistant", "content": "12"}, {"role": "user", "content": "lower"}]
+    call = asyncio.create_task(http.post(**chat(base, follow)))
+    await held.reached.wait()
+    reward = asyncio.create_task(http.post(f"/episodes/{episode['episode_id']}/reward", json={"reward": 1.0}))
+    await wait_for_async(lambda: lock.waiting == 1)
+    return call, reward, follow, lock
+
+
 def test_a_reward_waiting_behind_a_call_that_is_aborted_is_refused() -> None:
     held = Held(turn=1)
     engine, rollout = scripted([["12", "3"]], before=held)
@@ -356,16 +373,7 @@ def test_a_reward_waiting_behind_a_call_that_is_aborted_is_refused() -> None:
 
     async def play(http: httpx.AsyncClient, episodes: list[dict[str, Any]]) -> None:
         (episode,) = episodes
-        lock = agent.episodes[episode["episode_id"]].lock = CountingLock()
-        base, user = episode["base_url"], [{"role": "user", "content": PROMPT.prompt}]
-        assert (await http.post(**chat(base, user))).status_code == 200
-        follow = [*user, {"role": "assistant", "content": "12"}, {"role": "user", "content": "lower"}]
-        call = asyncio.create_task(http.post(**chat(base, follow)))
-        await held.reached.wait()
-        reward = asyncio.create_task(
-            http.post(f"/episodes/{episode['episode_id']}/reward", json={"reward": 1.0})
-        )
-        await wait_for_async(lambda: lock.waiting == 1)
+        call, reward, _, _ = await reward_behind_a_held_call(http, agent, episode, held)
         held.release.set()
         answers.extend(await asyncio.gather(call, reward))
 
@@ -383,18 +391,9 @@ def test_a_call_waiting_behind_the_reward_finds_the_episode_over() -> None:
 
     async def play(http: httpx.AsyncClient, episodes: list[dict[str, Any]]) -> None:
         (episode,) = episodes
-        lock = agent.episodes[episode["episode_id"]].lock = CountingLock()
-        base, user = episode["base_url"], [{"role": "user", "content": PROMPT.prompt}]
-        assert (await http.post(**chat(base, user))).status_code == 200
-        follow = [*user, {"role": "assistant", "content": "12"}, {"role": "user", "content": "lower"}]
-        call = asyncio.create_task(http.post(**chat(base, follow)))
-        await held.reached.wait()
-        reward = asyncio.create_task(
-            http.post(f"/episodes/{episode['episode_id']}/reward", json={"reward": 1.0})
-        )
-        await wait_for_async(lambda: lock.waiting == 1)
+        call, reward, follow, lock = await reward_behind_a_held_call(http, agent, episode, held)
         again = [*follow, {"role": "assistant", "content": "3"}, {"role": "user", "content": "higher"}]
-        late = asyncio.create_task(http.post(**chat(base, again)))
+        late = asyncio.create_task(http.post(**chat(episode["base_url"], again)))
         await wait_for_async(lambda: lock.waiting == 2)
         held.release.set()
         answers.extend(await asyncio.gather(call, reward, late))
