@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: demo test lint bench run chaos clean
+.PHONY: demo test test-all lint bench run chaos clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,12 @@ chaos: $(DEV)
 	$(PY) -m chaos.run --no-faults --out bench/results/chaos-baseline
 	$(PY) -m chaos.run --out bench/results/chaos
 
+# `make test` answers in minutes: everything but the heavy tier (real vLLM, the chaos
+# smoke, the learning smokes). `make test-all` runs every test; CI runs it.
 test: $(DEV)
+	$(PY) -m pytest -m "not heavy"
+
+test-all: $(DEV)
 	$(PY) -m pytest
 
 lint: $(DEV)

@@ -149,3 +149,10 @@ def ray_local() -> Iterator[None]:
     init_ray(local=True)
     yield
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A real-vLLM test is heavy: `make test` leaves it to `make test-all` and CI."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.heavy)

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.heavy]
 
 SIM_FIELDS = (
     "steps", "groups_trained", "groups_per_s", "engine_busy", "trainer_idle", "staleness",
