@@ -15,7 +15,7 @@ import orjson
 import redis
 from tqdm import tqdm
 
-from rollstream.cli.process import Process, running, start_line, stop_on_signals, wait_until_gone
+from rollstream.cli.process import Process, cold_stop, running, start_line, stop_on_signals, wait_until_gone
 from rollstream.producer.feeder import Cursor, Feeder
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
@@ -335,12 +335,12 @@ def produce(
                 return 0
 
         async def main() -> None:
-            done = asyncio.Event()
+            done, cold = asyncio.Event(), asyncio.Event()
             loop = asyncio.get_running_loop()
-            watcher = threading.Thread(target=_hand_to_loop, args=(stop, loop, done), daemon=True)
+            watcher = threading.Thread(target=_hand_to_loop, args=(stop, loop, done, cold), daemon=True)
             watcher.start()
             producer = Producer(settings, process.client, pool, name=process.name, liveness=process.liveness)
-            stats = await producer.run(done, burst=burst)
+            stats = await producer.run(done, burst=burst, cold=cold)
             process.run_stopped = producer.run_stopped
             outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "nothing"
             log.info("producer %s stopped: %s; %d weight syncs", producer.name, outcomes, stats.weight_syncs)
@@ -384,11 +384,20 @@ def _watch_ray_address(
             return
 
 
-def _hand_to_loop(stop: threading.Event, loop: Any, done: Any) -> None:
-    """SIGTERM sets the thread-side flag; the producer waits on an asyncio event."""
+def _hand_to_loop(stop: threading.Event, loop: Any, done: Any, cold: Any) -> None:
+    """SIGTERM sets the thread-side flags; the producer waits on asyncio events: ``done``
+    for the first signal, ``cold`` for a second one."""
     stop.wait()
     with contextlib.suppress(RuntimeError):  # the loop already ended (the run's stop event)
         loop.call_soon_threadsafe(done.set)
+    flag = cold_stop(stop)
+    if flag is None:
+        return
+    while not flag.wait(0.5):
+        if loop.is_closed():
+            return
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(cold.set)
 
 
 def _recorded_ray_address(process: Process) -> str | None:

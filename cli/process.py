@@ -60,14 +60,35 @@ class Process:
         return self.control.keys
 
 
+class StopSignal(threading.Event):
+    """Set by the first SIGTERM / SIGINT: a warm stop (finish in-flight work for a grace,
+    hand back what is left). A second signal sets ``cold`` as well: stop at once, handing
+    every claim back without waiting, as rq and Celery workers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cold = threading.Event()
+
+
+def cold_stop(stop: threading.Event) -> threading.Event | None:
+    """The cold-stop flag of a stop event made by ``stop_on_signals`` (None otherwise)."""
+    return getattr(stop, "cold", None)
+
+
 def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
-    """SIGTERM and SIGINT set the event: a process finishes what it is doing and exits.
-    Call it again with the same event after ``ray.init``, which installs handlers of its own."""
-    stop = stop or threading.Event()
+    """SIGTERM and SIGINT set the event: a process finishes what it is doing and exits; a
+    second signal makes it a cold stop (see StopSignal). Call it again with the same event
+    after ``ray.init``, which installs handlers of its own."""
+    stop = stop or StopSignal()
+    cold = cold_stop(stop)
 
     def handler(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
         if not stop.is_set():
-            log.info("%s received: stopping", signal.Signals(signum).name)
+            log.info("%s received: stopping (a second one stops at once)", name)
+        elif cold is not None and not cold.is_set():
+            log.warning("%s received again: cold stop, handing back what is in flight now", name)
+            cold.set()
         STOPPING.set()  # a process manager stops Redis too: outages are not ridden out now
         stop.set()
 
@@ -164,10 +185,15 @@ def running(
             beat.stop()
         with contextlib.suppress(redis.RedisError):
             process.liveness.clear()
-    if process.run_stopped:
-        # A process manager ends the whole formation, Redis included, when the first
-        # process exits: leave only once every process of the run has finished its own
-        # clean stop (its heartbeat key is gone), so that none loses Redis half-way.
-        wait_until_gone(process, ROLES)
+    try:
+        if process.run_stopped:
+            # A process manager ends the whole formation, Redis included, when the first
+            # process exits: leave only once every process of the run has finished its own
+            # clean stop (its heartbeat key is gone), so that none loses Redis half-way.
+            wait_until_gone(process, ROLES)
+    finally:
+        # this process's stop is over: a later client in the same interpreter (a test, the
+        # demo's next part) rides out outages again
+        STOPPING.clear()
     if process.errors:
         raise ProcessFailed(f"{role} {name} stopped: {process.errors[0]!r}")

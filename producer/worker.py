@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -130,15 +130,20 @@ class Producer:
         self.stats = ProducerStats()
         self.inflight: dict[asyncio.Task[str], Claim] = {}
         self._open = asyncio.Event()  # claiming allowed (cleared during a weight sync)
+        self.cold = asyncio.Event()  # a cold stop: in-flight work is handed back at once
         self.paused = False  # the run is paused: claim nothing until it resumes
         self.run_stopped = False  # the run's stop event ended run()
         self.liveness = liveness
         self._tail: dict[str, bool] = {t.name: False for t in settings.tasks}
 
-    async def run(self, stop: asyncio.Event | None = None, *, burst: bool = False) -> ProducerStats:
+    async def run(
+        self, stop: asyncio.Event | None = None, *, burst: bool = False, cold: asyncio.Event | None = None
+    ) -> ProducerStats:
         """Produce until ``stop`` is set or the run is stopped, or, with ``burst``, until
-        there is no work this producer may take."""
+        there is no work this producer may take. ``cold`` set while stopping (a second
+        SIGTERM) cuts the stop's grace short: what is in flight is handed back at once."""
         stop = stop or asyncio.Event()
+        self.cold = cold or asyncio.Event()
         # The newest event's id before the state: a weight sync or pause published while
         # this producer starts is then either in the state it reads or in the events it follows.
         after = self.control.last_event_id()
@@ -392,6 +397,18 @@ class Producer:
             )  # fmt: skip
             last, claims, groups = now, self.stats.claims, self.stats.groups
 
+    async def _until_cold(self, tasks: Iterable[asyncio.Task[str]], timeout: float) -> set[asyncio.Task[str]]:
+        """Wait up to ``timeout`` for ``tasks``, less if a cold stop comes; the ones not done."""
+        waiting = set(tasks)
+        if not self.cold.is_set() and waiting:
+            everything = asyncio.ensure_future(asyncio.wait(waiting, timeout=timeout))
+            cold = asyncio.ensure_future(self.cold.wait())
+            await asyncio.wait({everything, cold}, return_when=asyncio.FIRST_COMPLETED)
+            for future in (everything, cold):
+                future.cancel()
+            await asyncio.gather(everything, cold, return_exceptions=True)
+        return {t for t in waiting if not t.done()}
+
     async def _shutdown(self, grace_s: float = 10.0) -> None:
         """Stop without leaving claims pending for claim_idle_ms: in drain and abort mode
         in-flight groups may finish for ``grace_s``; then what still generates is aborted
@@ -400,11 +417,13 @@ class Producer:
         claim back too. Nothing is lost either way: an unsettled claim stays pending and
         is reclaimed by another producer."""
         if self.inflight and self.settings.rollout.on_weight_sync != "partial":
-            await asyncio.wait(self.inflight, timeout=grace_s)
+            await self._until_cold(self.inflight, grace_s)
         pending = [t for t in self.inflight if not t.done()]
         if pending:
+            if self.cold.is_set():
+                log.warning("producer %s: cold stop, handing back %d groups now", self.name, len(pending))
             await self.runner.abort_all()
-            _, still = await asyncio.wait(pending, timeout=min(grace_s, SETTLE_S))
+            still = await self._until_cold(pending, min(grace_s, SETTLE_S))
             for task in still:
                 task.cancel()
             await asyncio.gather(*still, return_exceptions=True)

@@ -109,3 +109,45 @@ def test_two_producers_share_a_run_without_duplicates(
     assert sum(completed) == 40
     assert all(c > 0 for c in completed)  # both did work
     assert client.hget(Keys(run_name).progress, "math:completed") == b"40"
+
+
+def test_a_second_sigterm_is_a_cold_stop_that_hands_claims_back(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
+) -> None:
+    # groups that would take many minutes, and a warm stop that would wait 120 s for them
+    env = {
+        **producer_env(redis_server.url, run_name),
+        "ROLLSTREAM_ENGINES__SIM__SPEED_TPS": "1",
+        "ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION": "1",
+        "ROLLSTREAM_ROLLOUT__ON_WEIGHT_SYNC": "drain",
+        "ROLLSTREAM_PROCESS__STOP_TIMEOUT_S": "240",
+    }
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    feed(env, tmp_path, 4)
+    producer = ProducerProcess(env, tmp_path, "cold")
+    try:
+        # Given a producer with groups in flight
+        wait_for(
+            lambda: producer.running() and client.xpending(keys.prompts("math"), "producers")["pending"] == 4,
+            timeout=60,
+        )
+        # When it gets SIGTERM, starts its warm stop, then gets a second SIGTERM
+        producer.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "a second one stops at once" in producer.err.read_text(), timeout=30)
+        producer.proc.send_signal(signal.SIGTERM)
+        # Then it stops at once (well inside the warm stop's 120 s), exit 0
+        code, _, err = producer.finish(timeout=60)
+    finally:
+        if producer.proc.poll() is None:
+            producer.proc.kill()
+            producer.proc.wait()
+    assert code == 0, err[-2000:]
+    assert "cold stop" in err
+    # and every claim was handed back: nothing pending, every prompt claimable again
+    streams = [keys.prompts("math"), keys.aborted("math")]
+    pending = [client.xpending(s, "producers")["pending"] for s in streams if client.exists(s)]
+    assert sum(pending) == 0
+    assert client.xlen(keys.groups("math")) == 0
+    left = sum(client.xlen(s) for s in streams)
+    assert left == 4
