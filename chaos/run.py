@@ -295,8 +295,13 @@ class Chaos:
             self.note("restart", "redis-server from its append-only file")
 
     def _kill_engine_actor(self) -> None:
-        found = subprocess.run(["pgrep", "-f", "ray::EngineActor"], capture_output=True, text=True)
-        pids = [int(p) for p in found.stdout.split()]
+        """kill -9 of one engine actor of this run's Ray cluster: the one that the engines
+        process it started owns (``--foreground``: a local cluster whose raylet forks the
+        actors), never an actor of another cluster on the same machine."""
+        engines = self.children.get("engines")
+        if engines is None or engines.proc is None or not engines.alive:
+            return
+        pids = engine_actor_pids(engines.proc.pid)
         if pids:
             pid = self.rng.choice(pids)
             os.kill(pid, signal.SIGKILL)
@@ -327,6 +332,35 @@ class Chaos:
         if child is not None and child.proc is not None and child.proc.poll() is None:
             child.proc.terminate()
             child.proc.wait(timeout=30)
+
+
+ENGINE_ACTOR = "ray::EngineActor"  # Ray's process title for an actor of that class
+
+
+def engine_actor_pids(root: int) -> list[int]:
+    """PIDs of the engine actors among the descendants of process ``root`` (the engines
+    process the suite started: its Ray cluster's processes are its children, the actors
+    its grandchildren). Processes elsewhere on the machine, another run's engine actors
+    included, are never in it."""
+    table = subprocess.run(
+        ["ps", "-A", "-o", "pid=", "-o", "ppid=", "-o", "args="], capture_output=True, text=True, check=True
+    ).stdout
+    children: defaultdict[int, list[int]] = defaultdict(list)
+    title: dict[int, str] = {}
+    for line in table.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+            children[int(parts[1])].append(int(parts[0]))
+            title[int(parts[0])] = parts[2] if len(parts) == 3 else ""
+    found, todo, seen = [], [root], {root}
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            if pid not in seen:
+                seen.add(pid)
+                todo.append(pid)
+                if title[pid].startswith(ENGINE_ACTOR):
+                    found.append(pid)
+    return sorted(found)
 
 
 def _cont(proc: subprocess.Popen[bytes]) -> None:
