@@ -8,7 +8,8 @@ name another distribution could hold:
     from rollstream.shared.settings import load_settings
 
 In a checkout the parts live at the root (producer/, consumer/, shared/, cli/) and
-rollstream/ links to them.
+pyproject.toml's package-dir maps each into this package: shared/buffer.py is
+rollstream.shared.buffer, in a wheel as in an editable install.
 """
 
 __version__ = "0.1.0"

@@ -1,23 +1,46 @@
 """rollstream installs one import package, `rollstream`: the parts at the root of the
-checkout (shared/, producer/, consumer/, cli/) are imported only as rollstream.<part>,
-never as top-level modules that would collide in site-packages or load twice."""
+checkout (shared/, producer/, consumer/, cli/) are mapped into it by pyproject.toml's
+package-dir, one file per module, with no symbolic links; they are imported only as
+rollstream.<part>, never as top-level modules that would collide in site-packages or load
+twice. A wheel, an sdist, and an editable install of a checkout made without symbolic links
+(core.symlinks=false, as on Windows) all hold or find every module."""
 
 from __future__ import annotations
 
+import os
 import re
+import site
 import subprocess
 import sys
+import tarfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("shared", "producer", "consumer", "cli")
 TOP_LEVEL_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(PARTS)})\b", re.M)
+SKIP = {".venv", ".git", "build", "dist", "var", "__pycache__"}
 
 
 def _sources() -> list[Path]:
-    skip = {".venv", ".git", "rollstream", "build", "var"}
-    return [p for p in ROOT.rglob("*.py") if not skip.intersection(p.relative_to(ROOT).parts)]
+    return [p for p in ROOT.rglob("*.py") if not SKIP.intersection(p.relative_to(ROOT).parts)]
+
+
+def _package_modules() -> set[str]:
+    """Every module of the parts, as the path it has in an installed rollstream."""
+    files = {"rollstream/__init__.py"}
+    for part in PARTS:
+        for path in (ROOT / part).rglob("*.py"):
+            if not SKIP.intersection(path.relative_to(ROOT).parts):
+                files.add(f"rollstream/{part}/{path.relative_to(ROOT / part).as_posix()}")
+    return files
+
+
+def _run(command: list[str], cwd: Path, timeout: float = 60) -> str:
+    out = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{command}: {out.stdout[-2000:]}{out.stderr[-2000:]}"
+    return out.stdout
 
 
 def test_no_source_imports_a_part_as_a_top_level_module() -> None:
@@ -31,15 +54,21 @@ def test_no_source_imports_a_part_as_a_top_level_module() -> None:
     assert offenders == []
 
 
-def test_the_package_links_every_part() -> None:
-    for part in PARTS:
-        link = ROOT / "rollstream" / part
-        assert link.is_symlink() and link.resolve() == ROOT / part, part
+def test_the_checkout_holds_no_symbolic_links() -> None:
+    # mode 120000 is a symbolic link in git's index
+    staged = _run(["git", "ls-files", "--stage"], ROOT).splitlines()
+    assert len(staged) > 50
+    assert [line.split("\t")[-1] for line in staged if line.startswith("120000")] == []
 
 
-def test_only_rollstream_is_installed_and_the_script_points_into_it() -> None:
+def test_package_dir_maps_each_part_and_the_script_points_into_it() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["rollstream*"]
+    setuptools = project["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"rollstream": "rollstream", **{f"rollstream.{p}": p for p in PARTS}}
+    # every folder holding modules is a package of its own in the list, and nothing else is
+    folders = {path.parent for module in _package_modules() for path in [ROOT / module]}
+    expected = {".".join(folder.relative_to(ROOT).parts) for folder in folders}
+    assert sorted(setuptools["packages"]) == sorted(expected)
     assert project["project"]["scripts"]["rollstream"] == "rollstream.cli.main:entry"
 
 
@@ -49,8 +78,49 @@ def test_importing_everything_loads_no_top_level_part(tmp_path: Path) -> None:
         "import sys, rollstream.cli.main, rollstream.consumer, rollstream.producer.worker;"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {PARTS!r}))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert _run([sys.executable, "-c", code], tmp_path).strip() == "[]"
+
+
+def test_the_sdist_and_the_wheel_built_from_it_hold_every_module(tmp_path: Path) -> None:
+    # What `python -m build` does, offline: the sdist from the checkout, the wheel from the
+    # unpacked sdist, through setuptools' own build hooks.
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    hook = "import sys, setuptools.build_meta as b; print(b.build_{}(sys.argv[1]))"
+    sdist = dist / _run([sys.executable, "-c", hook.format("sdist"), str(dist)], ROOT).splitlines()[-1]
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+        in_sdist = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    for part in PARTS:
+        for module in _package_modules():
+            if module.startswith(f"rollstream/{part}/"):
+                assert module.removeprefix("rollstream/") in in_sdist, module
+    assert {"pyproject.toml", "README.md", "rollstream/__init__.py"} <= in_sdist
+    assert not any(name.startswith("rollstream/") and name != "rollstream/__init__.py" for name in in_sdist)
+
+    (source,) = (tmp_path / "unpacked").iterdir()
+    wheel = dist / _run([sys.executable, "-c", hook.format("wheel"), str(dist)], source).splitlines()[-1]
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    assert {name for name in names if name.endswith(".py")} == _package_modules()
+    assert {name.split("/")[0] for name in names} == {"rollstream", "rollstream-0.1.0.dist-info"}
+    entry_points = zipfile.ZipFile(wheel).read("rollstream-0.1.0.dist-info/entry_points.txt").decode()
+    assert "rollstream = rollstream.cli.main:entry" in entry_points
+
+
+def test_a_checkout_without_symbolic_links_installs_and_imports(tmp_path: Path) -> None:
+    # A Windows checkout (core.symlinks=false): any link would be a text file holding its
+    # target. Installed (editable, as a developer does) into a fresh venv that borrows this
+    # environment's packages through a .pth, so that nothing is downloaded.
+    clone, venv = tmp_path / "clone", tmp_path / "venv"
+    _run(["git", "-c", "core.symlinks=false", "clone", "--quiet", str(ROOT), str(clone)], tmp_path)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
+    python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    venv_site = Path(_run([str(python), "-c", purelib], tmp_path).strip())
+    (venv_site / "_borrowed.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+    _run([*pip, "--editable", str(clone)], tmp_path, timeout=120)
+
+    code = "import rollstream.shared.buffer as b, rollstream.cli.main; print(b.__file__)"
+    assert Path(_run([str(python), "-c", code], tmp_path).strip()) == clone / "shared" / "buffer.py"

@@ -1,0 +1,83 @@
+"""mypy over the checkout, with each module under the name it is imported by.
+
+The parts of the package live at the root of the checkout (shared/, producer/, ...) and
+pyproject.toml's [tool.setuptools.package-dir] maps them into `rollstream`. mypy does not
+follow that mapping (nor setuptools' editable finder): `mypy -p rollstream` would find
+rollstream/__init__.py alone and, with ignore_missing_imports, check nothing else. This
+runs mypy's own build with every file of the mapped folders named as its module
+(shared/buffer.py is rollstream.shared.buffer), so the per-module settings in
+pyproject.toml apply (strict on rollstream.shared.*) and errors name the source files.
+
+    python tools/typecheck.py                 # the package
+    python tools/typecheck.py -p chaos        # the package, and chaos imported against it
+    python tools/typecheck.py bench tools     # scripts that import rollstream
+
+Other arguments are mypy's own; the exit status is mypy's (0 clean, 1 errors).
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+from mypy import build
+from mypy.errors import CompileError
+from mypy.main import process_options
+from mypy.modulefinder import BuildSource
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def package_dirs(root: Path = ROOT) -> dict[str, Path]:
+    """pyproject.toml's package-dir mapping: import package name -> folder."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    mapping = project["tool"]["setuptools"]["package-dir"]
+    return {package: root / folder for package, folder in mapping.items()}
+
+
+def mapped_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the mapped folders, by the name it is imported by."""
+    dirs = package_dirs(root)
+    modules: dict[str, Path] = {}
+    for package, folder in dirs.items():
+        for path in sorted(folder.rglob("*.py")):
+            # a folder mapped on its own (rollstream.shared -> shared/) is listed once, by
+            # its own mapping, even where another mapping's folder holds it
+            holders = [p for p, d in dirs.items() if path.is_relative_to(d)]
+            owner = max(holders, key=lambda p: len(dirs[p].parts))
+            if owner != package:
+                continue
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def main(argv: list[str]) -> int:
+    modules = mapped_modules()
+    # mypy's own option parsing (and pyproject.toml's [tool.mypy]); the package needs no
+    # target of its own
+    targets, options = process_options(argv, require_targets=False)
+    sources = [BuildSource(str(path.relative_to(ROOT)), module) for module, path in modules.items()]
+    sources += [s for s in targets if s.module not in modules]
+    try:
+        result = build.build(sources, options)
+    except CompileError as e:
+        for line in e.messages:
+            print(line, file=sys.stderr)
+        return 2
+    for line in result.errors:
+        print(line)
+    errors = [line for line in result.errors if ": error:" in line]
+    if errors:
+        files = len({line.split(":", 1)[0] for line in errors})
+        print(f"Found {len(errors)} errors in {files} files (checked {len(sources)} source files)")
+        return 1
+    print(f"Success: no issues found in {len(sources)} source files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
