@@ -5,6 +5,7 @@ the settings its TOML shows."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import re
 import sys
@@ -22,9 +23,10 @@ from rollstream.producer.judges import load_judge
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.tokenizer import BytesTokenizer, make_tokenizer
 from rollstream.shared.errors import SettingsError
+from rollstream.shared.plugins import import_object, load_callable
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.settings import BUILTIN_ENGINES, load_settings
-from tests.plugins.engine import MARK, MarkedEngine
+from tests.plugins.engine import MARK, MarkedEngine, make
 
 PLUGIN = "tests.plugins.engine:make"
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -188,3 +190,35 @@ def test_the_readme_variables_select_the_same_engine(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("ROLLSTREAM_ENGINES__OPTIONS", options[1])
     settings = load_settings()
     assert (settings.engines.kind, settings.engines.options) == ("mypkg.engine:make", {"repeat": 2})
+
+
+def test_one_loader_in_shared_resolves_every_familys_dotted_paths() -> None:
+    assert import_object(PLUGIN, "engine") is make
+    assert import_object("tests.plugins.engine.make", "engine") is make
+    for spec, problem in [
+        ("make", "not a dotted path"),
+        ("tests.plugins.nowhere:make", "module 'tests.plugins.nowhere' not found"),
+        ("tests.plugins.engine:nothing", "'tests.plugins.engine' has no attribute 'nothing'"),
+    ]:
+        with pytest.raises(SettingsError, match=rf"^agent {re.escape(repr(spec))}: {re.escape(problem)}"):
+            import_object(spec, "agent")
+    assert callable(load_callable("tests.plugins.engine:MarkedEngine.generate", "filter"))
+
+
+def test_the_loader_has_one_home_that_every_family_imports() -> None:
+    # engines and agents once imported it from producer/judges/registry.py, which held it
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for part in ("shared", "producer", "consumer", "cli"):
+        for path in (root / part).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = {"import_object", "load_callable", "_import_module"}
+                if isinstance(node, ast.FunctionDef) and node.name in names and path.name != "plugins.py":
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno} defines {node.name}")
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and names & {a.name for a in node.names}
+                    and node.module != "rollstream.shared.plugins"
+                ):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno} from {node.module}")
+    assert offenders == []
