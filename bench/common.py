@@ -260,7 +260,7 @@ def start_vllm_server(
     once /health answers."""
     import httpx
 
-    from rollstream.producer.engines.http import WORKER_EXTENSION
+    from rollstream.producer.engines.openai import WORKER_EXTENSION
     from rollstream.shared.embedded import free_port
 
     port = free_port()

@@ -792,7 +792,7 @@ async def hf_syncs(p: Params, models: list[Path]) -> dict[str, Any]:
 
 
 def openai_syncs(p: Params, models: list[Path], log: Path) -> dict[str, Any]:
-    from rollstream.producer.engines.http import OpenAIEngine
+    from rollstream.producer.engines.openai import OpenAIEngine
     from rollstream.shared.settings import HTTPEngineSettings
 
     started = time.monotonic()

@@ -54,8 +54,8 @@ _BUILTIN = {
     "sim": ("rollstream.producer.engines.sim", "from_settings"),
     "hf": ("rollstream.producer.engines.hf", "from_settings"),
     "vllm": ("rollstream.producer.engines.vllm", "from_settings"),
-    "openai": ("rollstream.producer.engines.http", "openai_from_settings"),
-    "sglang": ("rollstream.producer.engines.http", "sglang_from_settings"),
+    "openai": ("rollstream.producer.engines.openai", "openai_from_settings"),
+    "sglang": ("rollstream.producer.engines.sglang", "sglang_from_settings"),
 }
 _ALLOWED = f"one of {', '.join(BUILTIN_ENGINES)}, or a dotted path 'package.module:factory'"
 _METHODS = ("generate", "abort", "pause", "resume", "update_weights", "health")

