@@ -19,8 +19,8 @@ from typing import Any
 
 import redis
 
-from rollstream.cli.commands import example_prompts
 from rollstream.producer.prompts import read_prompt_file
+from rollstream.recipes.prompts import example_prompts
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.settings import Settings
 

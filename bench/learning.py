@@ -1,11 +1,11 @@
 """Learning benchmark: does the model learn through rollstream, and what does async
 training buy in steps and seconds?
 
-The reverse task (rollstream.cli.reverse: a 14k-parameter GPT-2, "c a m >" -> "m a c",
+The reverse task (rollstream.recipes.reverse: a 14k-parameter GPT-2, "c a m >" -> "m a c",
 per-position partial reward, chance 0.06) trained through the whole pipeline — hf
 engines in Ray actors, producers, Redis streams, the reference trainer with
 PolicyGradient, weights published every step and loaded by the engines — with each
-recipe of rollstream.cli.learning, for several seeds, until the mean reward of the
+recipe of rollstream.recipes.learning, for several seeds, until the mean reward of the
 last 10 steps reaches the target (0.9):
 
   sync             on-policy: producers generate each step's batch on the last weights
@@ -39,7 +39,7 @@ from typing import Any
 
 from common import RESULTS, pyplot, show, spread, table, write_json
 
-from rollstream.cli import learning, reverse
+from rollstream.recipes import learning, reverse
 from rollstream.shared.embedded import EmbeddedRedis
 
 

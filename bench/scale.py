@@ -30,9 +30,9 @@ from typing import Any
 
 from common import RESULTS, Producers, producer_env, pyplot, show, spread, table, used_memory, write_json
 
-from rollstream.cli.commands import example_prompts
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.producer.feeder import Feeder
+from rollstream.recipes.prompts import example_prompts
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis

@@ -559,13 +559,3 @@ def _recorder(path: str) -> Any:
 def _oldest_version(group: Any) -> int:
     versions = [int(s.response_versions.min()) for s in group.samples if len(s.response_versions)]
     return min(versions, default=-1)
-
-
-def example_prompts(path: Path, count: int) -> Path:
-    """A small arithmetic prompt file with answers, for the demo."""
-    rows = [
-        {"uid": f"add-{i}", "prompt": f"What is {i} + {2 * i + 1}?", "meta": {"answer": str(3 * i + 1)}}
-        for i in range(count)
-    ]
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path

@@ -27,12 +27,12 @@ from typing import Any
 
 import orjson
 
-from rollstream.cli import learning, reverse
-from rollstream.cli.commands import example_prompts
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.producer.worker import Producer
+from rollstream.recipes import learning, reverse
+from rollstream.recipes.prompts import example_prompts
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis

@@ -32,7 +32,7 @@ RET_ERROR = 1  # an operation failed
 RET_INPUT = 2  # bad arguments, settings or input files
 RET_CONNECT = 3  # Redis unreachable or too old
 RET_WAIT = 4  # what the process needs (Redis, engines, a Ray address) did not come in time
-# the demo's recipes: rollstream.cli.learning.RECIPES, named here to keep this import light
+# the demo's recipes: rollstream.recipes.learning.RECIPES, named here to keep this import light
 RECIPE_NAMES = ("sync", "async", "async_tis", "async_decoupled")
 # rollstream proxy judges with the agents' reported rewards unless producer.judge is set
 DEFAULT_JUDGE = ProducerSettings.model_fields["judge"].default

@@ -24,7 +24,7 @@ BUILTIN_JUDGES: Mapping[str, Callable[[], Judge]] = {
     "math": MathJudge,
     "exact": ExactMatchJudge,
     "regex": RegexJudge,
-    "reverse": ReverseJudge,  # the reverse task's (rollstream.cli.reverse)
+    "reverse": ReverseJudge,  # the reverse task's (rollstream.recipes.reverse)
 }
 
 

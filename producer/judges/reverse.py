@@ -1,4 +1,4 @@
-"""The judge of the reverse task (rollstream.cli.reverse): write the prompt's symbols back
+"""The judge of the reverse task (rollstream.recipes.reverse): write the prompt's symbols back
 to front, then stop. ``"c a m >"`` asks for ``"m a c"`` and the end of the response.
 
 A partial reward per position, so that a policy at chance still sees which of its

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.cli import learning, reverse
+from rollstream.recipes import learning, reverse
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys

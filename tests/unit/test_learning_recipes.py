@@ -1,12 +1,12 @@
-"""rollstream.cli.learning without running anything: the recipes' settings, the feed of
+"""rollstream.recipes.learning without running anything: the recipes' settings, the feed of
 training prompts, steps and seconds to a target reward."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rollstream.cli import learning, reverse
 from rollstream.cli.main import RECIPE_NAMES
+from rollstream.recipes import learning, reverse
 
 
 def test_the_cli_offers_every_recipe() -> None:

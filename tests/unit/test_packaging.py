@@ -7,6 +7,7 @@ twice. A wheel, an sdist, and an editable install of a checkout made without sym
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import site
@@ -18,7 +19,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("shared", "producer", "consumer", "cli")
+PARTS = ("shared", "producer", "consumer", "recipes", "cli")
 TOP_LEVEL_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(PARTS)})\b", re.M)
 SKIP = {".venv", ".git", "build", "dist", "var", "__pycache__"}
 
@@ -51,6 +52,46 @@ def test_no_source_imports_a_part_as_a_top_level_module() -> None:
         for m in TOP_LEVEL_IMPORT.finditer(text)
     ]
     assert len(_sources()) > 50
+    assert offenders == []
+
+
+# the parts of rollstream each folder may import besides its own: shared at the ground,
+# producer and consumer beside each other, recipes composing both, cli and the tools on top
+LAYERS = {
+    "shared": set(),
+    "producer": {"shared"},
+    "consumer": {"shared"},
+    "recipes": {"shared", "producer", "consumer"},
+    "cli": {"shared", "producer", "consumer", "recipes"},
+    "bench": {"shared", "producer", "consumer", "recipes"},
+    "chaos": {"shared", "producer", "consumer", "recipes"},
+}
+
+
+def _parts_imported(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "rollstream":
+            names = [f"rollstream.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+        else:
+            continue
+        found += [(node.lineno, n.split(".")[1]) for n in names if n.startswith("rollstream.")]
+    return found
+
+
+def test_each_folder_imports_only_the_layers_below_it() -> None:
+    # bench imported the learning recipes from cli (cli/learning.py, cli/reverse.py)
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports rollstream.{part}"
+        for folder, allowed in LAYERS.items()
+        for path in (ROOT / folder).rglob("*.py")
+        for line, part in _parts_imported(ast.parse(path.read_text()))
+        if part != folder and part not in allowed
+    ]
     assert offenders == []
 
 

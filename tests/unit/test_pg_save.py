@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from rollstream.cli import reverse
 from rollstream.consumer.pg import PolicyGradient
 from rollstream.producer.engines.hf import HFEngine
+from rollstream.recipes import reverse
 from rollstream.shared.settings import HFEngineSettings
 
 

@@ -1,4 +1,4 @@
-"""The reverse task (rollstream.cli.reverse) and its judge: rewards computed by hand, the
+"""The reverse task (rollstream.recipes.reverse) and its judge: rewards computed by hand, the
 tokenizer's round trip, the generated model as the hf engine loads it, the prompt files,
 and that the same model learns the task in a plain loop (no Redis)."""
 
@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from rollstream.cli import reverse
 from rollstream.producer.engines.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from rollstream.producer.engines.hf import HFEngine
 from rollstream.producer.judges import load_judge
 from rollstream.producer.judges.base import JudgeError
 from rollstream.producer.judges.reverse import ReverseJudge, partial_reward
 from rollstream.producer.prompts import read_prompt_file
+from rollstream.recipes import reverse
 from rollstream.shared.records import Prompt, Sample
 from rollstream.shared.settings import HFEngineSettings
 

@@ -1,4 +1,4 @@
-"""A model learns through rollstream: the reverse task (rollstream.cli.reverse) trained
+"""A model learns through rollstream: the reverse task (rollstream.recipes.reverse) trained
 through the whole pipeline, as the demo, the learning benchmark and its test run it.
 
     hf engines in Ray actors -> producers -> Redis streams -> ReferenceTrainer with
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rollstream.cli import reverse
 from rollstream.consumer.coordinator import BatchCoordinator
 from rollstream.consumer.evaluation import EvalSet, Evaluator
 from rollstream.consumer.losses import AlgorithmConfig
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.recipes import reverse
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.records import Prompt
