@@ -8,6 +8,7 @@ twice. A wheel, an sdist, and an editable install of a checkout made without sym
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import re
 import site
@@ -17,6 +18,8 @@ import tarfile
 import tomllib
 import zipfile
 from pathlib import Path
+
+from tests.helpers import require
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("shared", "producer", "consumer", "recipes", "cli")
@@ -111,6 +114,22 @@ def test_package_dir_maps_each_part_and_the_script_points_into_it() -> None:
     expected = {".".join(folder.relative_to(ROOT).parts) for folder in folders}
     assert sorted(setuptools["packages"]) == sorted(expected)
     assert project["project"]["scripts"]["rollstream"] == "rollstream.cli.main:entry"
+
+
+def test_the_type_check_sees_every_module_by_its_package_name() -> None:
+    # mypy does not follow package-dir: tools/typecheck.py hands it each file by name
+    require("mypy", "lint", load=False)
+    spec = importlib.util.spec_from_file_location("typecheck", ROOT / "tools" / "typecheck.py")
+    assert spec is not None and spec.loader is not None
+    typecheck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(typecheck)
+    modules = typecheck.mapped_modules()
+    as_installed = {
+        name.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py")
+        for name, path in modules.items()
+    }
+    assert as_installed == _package_modules()
+    assert modules["rollstream.shared.buffer"] == ROOT / "shared" / "buffer.py"
 
 
 def test_importing_everything_loads_no_top_level_part(tmp_path: Path) -> None:
