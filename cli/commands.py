@@ -20,8 +20,8 @@ from rollstream.producer.feeder import Cursor, Feeder
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
 from rollstream.shared.connection import check_server, connect, wait_for_redis
-from rollstream.shared.errors import InputError, SettingsError
-from rollstream.shared.events import CONTROL_EVENTS, STOP, RunControl
+from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
+from rollstream.shared.events import CONTROL_EVENTS, STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import TRAIN_STEP, Keys, Role
 from rollstream.shared.liveness import Heartbeat
 from rollstream.shared.logs import Ticker, on_terminal
@@ -181,11 +181,25 @@ def control(settings: Settings, action: str) -> int:
     return 0
 
 
-def steps(settings: Settings, *, train_step: int | None, yes: bool) -> int:
+def steps(settings: Settings, *, train_step: int | None, yes: bool, model_step: int | None = None) -> int:
     """Show the run's step counters and whether they leave it stuck; with ``train_step``
-    (and ``yes``) set the last committed train step, for an operator's repair."""
+    (and ``yes``) set the last committed train step, for an operator's repair; with
+    ``model_step`` (and ``yes``) publish a weight sync to that step even below the run's
+    (a rollback, or the repair of a corrupt model_step)."""
     client = connect(settings.redis)
     control = RunControl(client, Keys(settings.run))
+    if model_step is not None:
+        try:
+            shown: Any = control.model_step()
+        except CorruptValueError as exc:
+            shown = repr(exc.value)
+        if not yes:
+            print(f"would set model_step {shown} -> {model_step} and publish its weight sync: add --yes "
+                  "to do it (stop the trainer first)")  # fmt: skip
+            return 1
+        event = control.publish(WEIGHT_SYNC, model_step, rollback=True)
+        print(f"model_step set {shown} -> {model_step} (weight sync event {event})")
+        return 0
     model, train = control.model_step(), control.train_step()
     threshold = settings.rollout.stale_threshold
     # what a group made now (on model_step) would be at the trainer's next step

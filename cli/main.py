@@ -95,7 +95,7 @@ def cmd_control(args: argparse.Namespace) -> int:
 def cmd_steps(args: argparse.Namespace) -> int:
     from rollstream.cli.commands import steps
 
-    return steps(_settings(args), train_step=args.train_step, yes=args.yes)
+    return steps(_settings(args), train_step=args.train_step, yes=args.yes, model_step=args.model_step)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -264,7 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("steps", help="show the run's step counters (exit 1 when they leave it stuck)")
     p.add_argument("--train-step", type=_at_least(0), help="set the last committed train step (a repair)")
-    p.add_argument("--yes", action="store_true", help="confirm --train-step")
+    p.add_argument(
+        "--model-step",
+        type=_at_least(0),
+        help="publish a weight sync to this step even below the run's (a rollback, or a repair)",
+    )
+    p.add_argument("--yes", action="store_true", help="confirm --train-step or --model-step")
     p.set_defaults(func=cmd_steps)
 
     p = sub.add_parser("show", help="decoded entries of one stream of the run (token arrays as counts)")
