@@ -141,8 +141,9 @@ class GroupRunner:
         self.retries = 0
         self.window = Window()  # what completed groups brought since the last metrics record
 
-    async def run(self, claim: Claim) -> str:
-        """claim -> generate -> judge -> filter -> complete."""
+    async def run(self, claim: Claim, start_step: int | None = None) -> str:
+        """claim -> generate -> judge -> filter -> complete. ``start_step``: the model step
+        the engines hold as it starts, the group's step when every response is empty."""
         started = time.monotonic()
         try:
             samples = await self.generate(claim)
@@ -157,8 +158,9 @@ class GroupRunner:
             keep = samples if self.settings.rollout.on_weight_sync == "partial" else []
             return ABORTED if self.buffer.abort(claim, keep) is not None else FENCED
         group = Group.for_prompt(
-            claim.prompt, samples=samples, attempt=claim.entry.deliveries, producer=self.buffer.consumer
-        )
+            claim.prompt, samples=samples, attempt=claim.entry.deliveries, producer=self.buffer.consumer,
+            start_step=start_step,
+        )  # fmt: skip
         try:
             await self.score(group)
         except JudgeError as exc:

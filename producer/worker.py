@@ -171,7 +171,7 @@ class Producer:
                 _raise_if_failed(background)
                 if not self.paused and self._open.is_set():
                     for claim in self.admit():
-                        self.inflight[asyncio.create_task(self.runner.run(claim))] = claim
+                        self.inflight[asyncio.create_task(self.runner.run(claim, self.model_step))] = claim
                     await self.abort_leftovers()
                 if burst and not self.inflight and (self.paused or self.no_work_left() or self.blocked()):
                     break

@@ -4,6 +4,7 @@ corrupt step names its repair."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -11,12 +12,17 @@ import pytest
 import redis
 
 from rollstream.cli.main import main
+from rollstream.consumer.batches import BatchReader
 from rollstream.consumer.weights import publish_weights, wait_for_producers
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.worker import Producer
 from rollstream.shared import events as shared_events
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.events import RunControl, StepBackwards
 from rollstream.shared.keys import Keys
+from rollstream.shared.settings import load_settings
+from tests.helpers import prompts
 
 pytestmark = pytest.mark.integration
 
@@ -86,3 +92,29 @@ def test_a_producer_whose_clock_is_off_is_not_taken_for_dead(
     assert [(b.producer, b.model_step) for b in control.producers(5.0)] == [("behind", 2), ("right", 2)]
     assert control.client.hexists(control.keys.state, "producer:behind")
     assert wait_for_producers(control, 2, timeout_s=1.0, heartbeat_age_s=5.0) == ["behind", "right"]
+
+
+def test_a_group_of_empty_responses_has_the_step_it_was_made_at(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    settings = load_settings(
+        run=run_name,
+        redis={"url": redis_server.url},
+        tasks=[{"name": "math", "n": 2}],
+        engines={"kind": "tests.plugins.engine:make", "count": 1, "options": {"tokens": 0}},
+        rollout={"batch_size": 2, "max_staleness": 0},
+        producer={"is_valid": "keep_all"},
+    )
+    client = redis.Redis.from_url(redis_server.url)
+    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    publish_weights(producer.control, 3)  # the run is at step 3 when the producer starts
+    producer.buffer.feed(prompts("math", 2))
+    asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
+    assert producer.stats.outcomes == {"completed": 2}
+    # the trainer's step 4 trains groups made on step 3: not stale (with -1 they would be,
+    # at every step past the threshold, and be re-rolled for ever)
+    batch = BatchReader(redis.Redis.from_url(redis_server.url), settings).get_batch(4, timeout_s=10)
+    assert [g.model_step for g in batch.groups] == [3, 3]
+    assert all(s.response_ids.size == 0 for g in batch.groups for s in g.samples)
+    assert batch.expired == 0
+    batch.commit()
