@@ -14,7 +14,8 @@ RollstreamError
 ├── WaitTimeout            what a process waited for did not come in time
 ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
 └── ReplayBufferError      a replay-buffer operation that cannot proceed
-    └── BatchTimeout       not enough groups arrived in time
+    ├── BatchTimeout       not enough groups arrived in time
+    └── RedisOutOfMemory   Redis refused a write: used memory above its maxmemory setting
 """
 
 from __future__ import annotations
@@ -103,3 +104,8 @@ class ReplayBufferError(RollstreamError):
 
 class BatchTimeout(ReplayBufferError):
     """Fewer groups than required arrived before the deadline."""
+
+
+class RedisOutOfMemory(ReplayBufferError):
+    """Redis refused a write because its used memory is above its ``maxmemory`` setting
+    (with maxmemory-policy noeviction): nothing of the operation was written."""

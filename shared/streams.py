@@ -36,7 +36,7 @@ from typing import Any
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.errors import CorruptValueError, ReplayBufferError
+from rollstream.shared.errors import CorruptValueError, RedisOutOfMemory, ReplayBufferError
 from rollstream.shared.keys import GROUP_OF_KIND, Keys
 from rollstream.shared.records import MAX_STEP
 from rollstream.shared.resp import CommandWriter
@@ -85,6 +85,34 @@ def stored_float(value: Any, key: str, field: str, expected: str = "a number") -
 def pairs(flat: list[Any]) -> dict[bytes, bytes]:
     """An entry's fields from the flat [name, value, ...] list a script returns."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+OOM_ADVICE = (
+    "Redis is out of memory: its used memory is above its maxmemory setting and its "
+    "maxmemory-policy (noeviction) refuses writes"
+)
+
+
+def refused(error: Exception, replies: Sequence[Any], what: str) -> Exception:
+    """The error to raise for a transaction Redis refused (EXECABORT) or a failed gate:
+    one that names the cause. Nothing of the transaction was written, so the entries stay
+    pending for this consumer and are settled again later (or reclaimed)."""
+    causes = [
+        r
+        for r in replies
+        if isinstance(r, redis.ResponseError) and not isinstance(r, redis.exceptions.ExecAbortError)
+    ]
+    if any(
+        isinstance(r, redis.exceptions.OutOfMemoryError) or str(r).startswith("OOM") for r in (error, *causes)
+    ):
+        return RedisOutOfMemory(
+            f"{OOM_ADVICE}: {what} wrote nothing (raise maxmemory, or free memory: "
+            "a trainer that commits frees the groups it trained on)"
+        )
+    if isinstance(error, redis.exceptions.ExecAbortError):
+        cause = causes[0] if causes else error
+        return ReplayBufferError(f"Redis refused {what}, nothing written: {cause}")
+    return error
 
 
 @dataclass(slots=True)
@@ -188,8 +216,10 @@ class ConsumerStreams:
         while todo:
             replies = self.round_trip(self._settle_commands([settles[i] for i in todo]))
             verdict, done = replies[1], replies[-1]
+            if isinstance(done, Exception):  # EXECABORT: Redis refused a queued write
+                raise refused(done, replies, f"a settle of {len(todo)} entries of {settles[0].entry.stream}")
             if isinstance(verdict, Exception):
-                raise verdict
+                raise refused(verdict, replies, f"the gate of a settle of {settles[0].entry.stream}")
             if verdict != 1:  # the positions (1-based) of entries reclaimed by another
                 if done is not None:  # pragma: no cover - only if WATCH were not honoured
                     raise ReplayBufferError(f"settle of {len(todo)} entries ran although its gate refused")
