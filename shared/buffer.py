@@ -231,7 +231,10 @@ class ReplayBuffer:
         self.ensure(task)
         kinds = [k for k in POOLS if include_expired or k != EXPIRED]
         claims: list[Claim] = []
-        for kind in (EVALS, *kinds):  # already admitted: a dead producer's claims do not count twice
+        # a dead producer's claims, from every pool whatever this caller's mode (one that
+        # claimed from the expired pool in tail-batch mode leaves claims there that a
+        # producer out of that mode must take back too); already admitted: not counted twice
+        for kind in (EVALS, *POOLS):
             if len(claims) < count:
                 claims += self._claims(self.reclaim(kind, task, count - len(claims)))
         if len(claims) < count:  # eval prompts go ahead of training work, outside the bound
