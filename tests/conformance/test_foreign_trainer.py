@@ -461,10 +461,11 @@ class ForeignTrainer:
     # --- settles (§11.3, §11.4) --------------------------------------------------------
 
     def _settle(
-        self, task: str, entry_id: str, dest: str | None, fields: dict[str, Any], counter: str
+        self, task: str, entry_id: str, dest: str | None, fields: dict[str, Any], *counters: str
     ) -> bool:
         """A fenced settle: append ``fields`` to rs:{run}:{dest}[:task] (if any), ack + delete
-        the entry and count it, only while the entry is still pending for this consumer."""
+        the entry and count it in each of ``counters``, only while the entry is still pending
+        for this consumer."""
         stream = self.groups(task)
         key = (
             None
@@ -483,7 +484,8 @@ class ForeignTrainer:
                         pipe.xadd(key, fields)
                     pipe.xack(stream, TRAINER, entry_id)
                     pipe.xdel(stream, entry_id)
-                    pipe.hincrby(self.progress, f"{task}:{counter}", 1)
+                    for counter in counters:
+                        pipe.hincrby(self.progress, f"{task}:{counter}", 1)
                     pipe.execute()
                     return True
                 except redis.WatchError:
@@ -502,7 +504,7 @@ class ForeignTrainer:
         for name, value in fields.items():
             text = name.decode("utf-8", "replace")
             dead[f"orig.{text}" if text in dead else text] = value
-        return self._settle(task, entry_id, "dead", dead, "dead")
+        return self._settle(task, entry_id, "dead", dead, "dead", "groups_dead")
 
     def _dead_letter_gone(self, task: str, entry_id: str, deliveries: int) -> None:
         """An entry deleted while another consumer held it, which XCLAIM dropped (Redis 7)."""
@@ -516,6 +518,7 @@ class ForeignTrainer:
             pipe.xack(self.groups(task), TRAINER, entry_id)
             pipe.xadd(f"{self.base}:dead", dead)
             pipe.hincrby(self.progress, f"{task}:dead", 1)
+            pipe.hincrby(self.progress, f"{task}:groups_dead", 1)
             pipe.execute()
 
     def expire(self, group: Group) -> bool:
@@ -814,7 +817,7 @@ def test_a_trainer_written_from_the_stream_format_trains_with_real_producers(
     progress = {k.decode(): int(float(v)) for k, v in client.hgetall(f"{base}:progress").items()}
     assert progress["math:consumed"] == sum(trained.values()) == STEPS * BATCH
     assert progress["math:expired"] == len(expired)
-    assert progress["math:dead"] == 1
+    assert progress["math:dead"] == progress["math:groups_dead"] == 1  # §11.4: both, always
     state = client.hgetall(f"{base}:state")
     assert (state[b"train_step"], state[b"model_step"]) == (str(STEPS).encode(), str(STEPS).encode())
     assert not any(k.startswith(b"producer:") for k in state), "clean stops remove their heartbeats"
