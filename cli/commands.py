@@ -122,7 +122,13 @@ def format_status(status: RunStatus) -> str:
         lines.append(
             f"prompts of {task}: fed {a.fed} = trained {a.trained} + waiting {a.waiting} + in pools "
             f"{a.in_pools} + filtered {a.filtered} + dropped {a.dropped} + dead {a.dead} + lost {a.lost}"
+            + (f" - not fed {a.not_fed}" if a.not_fed else "")
         )
+        if a.not_fed:
+            lines.append(
+                f"  not fed {a.not_fed}: groups of {task} that no producer made from a fed prompt (written "
+                "by hand, or by a producer that does not count completed), in the figures above"
+            )
     if status.progress:
         lines.append("counts: " + ", ".join(f"{k}={v}" for k, v in status.progress.items()))
     lines.append(
