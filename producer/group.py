@@ -174,7 +174,7 @@ class GroupRunner:
             raise
         group.timings.update(generate_s=generated - started, judge_s=time.monotonic() - generated)
         if claim.source != EVALS and not self.is_valid(group):  # eval results are all kept
-            return FILTERED if self.buffer.drop(claim) else FENCED
+            return FILTERED if self.buffer.drop(claim, group) else FENCED
         self.recent_s.append(time.monotonic() - started)
         if await self.completions.complete(claim, group) is None:
             return FENCED

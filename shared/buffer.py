@@ -377,9 +377,14 @@ class ReplayBuffer:
         pool = EVALS if claim.source == EVALS else ABORTED
         return self._settle(claim.entry, self.keys.stream(pool, claim.task), fields, Count.ABORTED)
 
-    def drop(self, claim: Claim) -> bool:
-        """Ack + delete a claim without writing a group: the filter rejected it."""
-        return self._settle(claim.entry, None, None, Count.FILTERED) is not None
+    def drop(self, claim: Claim, group: Group | None = None) -> bool:
+        """Ack + delete a claim without writing the group: the filter rejected it. A small
+        record naming the prompt (uid, group id, reward mean) goes to the run's filtered
+        stream in the same transaction."""
+        if group is None:
+            group = Group(claim.group_id, claim.task, claim.prompt, producer=self.consumer)
+        record = codec.encode_filtered(group, claim.entry.stream, claim.entry.id)
+        return self._settle(claim.entry, self.keys.filtered, record, Count.FILTERED) is not None
 
     # --- trainer side ----------------------------------------------------------------
 

@@ -170,6 +170,26 @@ def encode_prompt(prompt: Prompt) -> Fields:
     }
 
 
+def encode_filtered(group: Group, source: str, source_id: str) -> Fields:
+    """The record of a group the producer's filter dropped, for ``rs:{run}:filtered``: no
+    samples, only what names the prompt and why it was dropped, so that every prompt's
+    outcome can be found by its uid (a trained one by the trainer's record, a dead one in
+    the dead letters, an expired one in its pool)."""
+    reward_mean = group.reward_mean
+    return {
+        "format": FORMAT_VERSION,
+        "task": group.task,
+        "uid": group.prompt.uid,
+        "group_id": group.group_id,
+        "producer": group.producer,
+        "attempt": group.attempt,
+        "n": len(group.samples),
+        "reward_mean": "" if reward_mean is None else repr(reward_mean),
+        "source": source,
+        "source_id": source_id,
+    }
+
+
 def check_format(version: bytes | str | None, what: str) -> None:
     """FormatError unless ``version`` (an entry's or the run's "format") is of our major."""
     if version is None:

@@ -15,6 +15,7 @@ and one Lua script may touch several of them.
     rs:{run}:batch:{batch}    hash    a coordinator batch: status, kind, counts, result
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
+    rs:{run}:filtered         stream  one small record per group the filter dropped (its uid)
     rs:{run}:state            hash    model_step, train_step, settings, ray_address, paused,
                                       format, producer:{name} heartbeats,
                                       feeder:{task}:cursor
@@ -201,6 +202,10 @@ class Keys:
     @property
     def dead(self) -> str:
         return f"{self.base}:dead"
+
+    @property
+    def filtered(self) -> str:
+        return f"{self.base}:filtered"
 
     @property
     def state(self) -> str:
