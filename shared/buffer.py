@@ -15,8 +15,10 @@ more; nothing here trims a stream.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from typing import Any
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.errors import DecodeError, FeederError, ReplayBufferError
+from rollstream.shared.errors import DecodeError, FeederError, FormatError, ReplayBufferError
 from rollstream.shared.keys import (
     ABORTED,
     EVALS,
@@ -48,6 +50,7 @@ from rollstream.shared.settings import Settings
 from rollstream.shared.streams import ConsumerStreams, Entry, Settle, pairs, stored_int, text
 
 FEED_CHUNK = 500
+log = logging.getLogger(__name__)
 RECOVERED = "done"
 
 
@@ -61,6 +64,18 @@ def eval_batch(prompt: Prompt) -> str:
     if not isinstance(batch, str):
         raise ReplayBufferError(f"eval prompt {prompt.uid!r} names no batch in meta[{BATCH_META!r}]")
     return batch
+
+
+def refused_format(exc: FormatError, entry: Entry) -> FormatError:
+    """The error that stops a reader at an entry of a stream-format major it does not
+    read: it names the entry and the operator's two ways on. The entry is not
+    dead-lettered (the data is fine, the reader is the wrong one): it stays pending
+    under this consumer, and a restart of the same reader stops on it again."""
+    kind = entry.kind + ":" + entry.task
+    return FormatError(
+        f"{entry.stream} entry {entry.id}: {exc}; it stays pending for this consumer. To go on "
+        f"without it: rollstream dead-letter {kind} {entry.id} --reason 'format not read'"
+    )
 
 
 def default_consumer_name(role: str) -> str:
@@ -136,6 +151,12 @@ class ReplayBuffer:
         self.streams = ConsumerStreams(client, self.keys, self.consumer)
         self._recover_from: dict[str, str] = {}  # task -> last own pending id re-read
         self._last_reclaim: dict[str, float] = {}
+        # What this process holds: entries it handed out (claims, batch items) and has not
+        # settled yet, by stream and id. An entry pending under this consumer name that is
+        # not here (a settle that failed, a reply lost and the command sent again) is taken
+        # back by reclaim once idle claim_idle_ms, like a dead consumer's.
+        self._held: dict[str, dict[str, Entry]] = {}
+        self._held_lock = threading.Lock()
 
     # --- streams and groups ----------------------------------------------------------
 
@@ -151,7 +172,38 @@ class ReplayBuffer:
         counter: Count,
         more: dict[str, float] | None = None,
     ) -> str | None:
-        return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more)
+        try:
+            return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more)
+        finally:  # settled, not ours any more, or failed: then reclaim takes it back
+            self.release([entry])
+
+    # --- what this process holds -----------------------------------------------------
+
+    def hold(self, entries: Iterable[Entry]) -> None:
+        """Record entries as held by this process (what claim and read_batch hand out):
+        reclaim never takes them back from it."""
+        with self._held_lock:
+            for entry in entries:
+                self._held.setdefault(entry.stream, {})[entry.id] = entry
+
+    def release(self, entries: Iterable[Entry]) -> None:
+        """Forget entries this process no longer holds (settled, or given up without a
+        settle): one still pending under this consumer is taken back by :meth:`reclaim`
+        once idle claim_idle_ms."""
+        with self._held_lock:
+            for entry in entries:
+                ids = self._held.get(entry.stream)
+                if ids is not None:
+                    ids.pop(entry.id, None)
+
+    def held(self, kind: str | None = None) -> list[Entry]:
+        """The entries this process holds (of one stream kind), for :meth:`touch`."""
+        with self._held_lock:
+            return [e for ids in self._held.values() for e in ids.values() if kind is None or e.kind == kind]
+
+    def _held_ids(self, stream: str) -> list[str]:
+        with self._held_lock:
+            return list(self._held.get(stream, ()))
 
     # --- feeding ---------------------------------------------------------------------
 
@@ -299,7 +351,7 @@ class ReplayBuffer:
     def _claims(self, entries: list[Entry]) -> list[Claim]:
         """Claims of the entries read; an entry that does not decode is dead-lettered at
         once (a second delivery would fail the same way) and the others are claimed."""
-        out = []
+        out: list[Claim] = []
         for entry in entries:
             try:
                 if codec.is_group_entry(entry.fields):
@@ -311,8 +363,12 @@ class ReplayBuffer:
                     eval_batch(claim.prompt)  # needed only to settle it: fail now, not after generating
             except (DecodeError, ReplayBufferError) as exc:
                 self.dead_letter(entry, str(exc))
+            except FormatError as exc:
+                self.release(out_entry.entry for out_entry in out)  # reclaimed once idle
+                raise refused_format(exc, entry) from None
             else:
                 out.append(claim)
+        self.hold(claim.entry for claim in out)
         return out
 
     def complete(self, claim: Claim, group: Group) -> str | None:
@@ -333,10 +389,13 @@ class ReplayBuffer:
             settles.append(self._completion(claim, group))
             by_stream.setdefault(claim.entry.stream, []).append(i)
         results: list[str | None] = [None] * len(done)
-        for positions in by_stream.values():
-            landed = self.streams.settle_many([settles[i] for i in positions])
-            for i, result in zip(positions, landed, strict=True):
-                results[i] = result
+        try:
+            for positions in by_stream.values():
+                landed = self.streams.settle_many([settles[i] for i in positions])
+                for i, result in zip(positions, landed, strict=True):
+                    results[i] = result
+        finally:  # settled, fenced or failed: this process holds none of them any more
+            self.release(claim.entry for claim, _ in done)
         return results
 
     def _completion(self, claim: Claim, group: Group) -> Settle:
@@ -396,17 +455,22 @@ class ReplayBuffer:
         if count <= 0:
             return Batch(task)
         if self._recover_from.get(task) != RECOVERED:
-            entries += self._own_pending(task, count)
+            held = set(self._held_ids(self.keys.groups(task)))
+            entries += [e for e in self._own_pending(task, count) if e.id not in held]
+            self.hold(entries)  # before the reclaim below, which takes what is not held
         if len(entries) < count:
             entries += self.reclaim(GROUPS, task, count - len(entries))
         if len(entries) < count:
             entries += self.streams.read([GROUPS], task, count - len(entries), block_ms=block_ms)
+        self.hold(entries)
         batch = Batch(task)
         for entry in entries:
             try:
                 batch.items.append(BatchItem(entry, codec.decode_group(entry.fields)))
             except DecodeError as exc:
                 self.dead_letter(entry, str(exc))
+            except FormatError as exc:
+                raise refused_format(exc, entry) from None
         return batch
 
     def commit(self, batch: Batch) -> list[str]:
@@ -417,7 +481,10 @@ class ReplayBuffer:
         ids = [item.entry.id for item in batch.items]
         keys = [self.keys.groups(batch.task), self.keys.progress]
         args = [TRAINER, self.consumer, progress_field(batch.task, Count.CONSUMED), *ids]
-        foreign = self.scripts.commit(keys=keys, args=args)
+        try:
+            foreign = self.scripts.commit(keys=keys, args=args)
+        finally:
+            self.release(item.entry for item in batch.items)
         return [text(i) for i in foreign]
 
     def expire(self, item: BatchItem, keep: Sequence[Sample] = ()) -> str | None:
@@ -447,7 +514,10 @@ class ReplayBuffer:
 
     def reclaim(self, kind: str, task: str, count: int, *, force: bool = False) -> list[Entry]:
         """Take over entries that other consumers of the kind's group left idle longer
-        than claim_idle_ms (dead, or too slow to heartbeat with :meth:`touch`).
+        than claim_idle_ms (dead, or too slow to heartbeat with :meth:`touch`), and
+        entries pending under this consumer that this process does not hold (see
+        :meth:`release`): a settle that failed, a claim or read sent again after a
+        lost reply. Each counts as a delivery.
 
         Entries delivered more than max_attempts times go to the dead letters
         instead. Without ``force`` a stream is scanned at most twice per
@@ -467,6 +537,7 @@ class ReplayBuffer:
                 GROUP_OF_KIND[kind], self.consumer, idle_ms, start, count - len(out),
                 self.settings.buffer.max_attempts, progress_field(task, Count.DEAD),
                 progress_field(task, Count.GROUPS_DEAD) if kind == GROUPS else "",
+                "1", *self._held_ids(stream),
             ]  # fmt: skip
             cursor, claimed = self.scripts.reclaim(keys=keys, args=args)
             for entry_id, flat, deliveries in claimed:
@@ -514,23 +585,29 @@ class ReplayBuffer:
             else:  # deleted while pending: nothing left to train on, but say so
                 self.dead_letter(entry, "deleted while pending")
         if entries:
-            # History reads count as deliveries; a group that keeps crashing the trainer
-            # is dead-lettered like any other entry delivered too often.
+            # A re-read after a restart is not charged against the groups: a trainer killed
+            # from outside (OOM killer, preemption, an operator) before its commit redoes its
+            # step on the same groups however often that happens. Say so past max_attempts:
+            # a group that itself kills the trainer is for the operator to move.
             pending = self.client.xpending_range(
                 stream, TRAINER, min=entries[0].id, max=entries[-1].id, count=len(entries),
                 consumername=self.consumer,
             )  # fmt: skip
             counts = {text(p["message_id"]): int(p["times_delivered"]) for p in pending}
             max_attempts = self.settings.buffer.max_attempts
-            kept = []
+            over = []
             for entry in entries:
                 entry.deliveries = counts.get(entry.id, 1)
                 if entry.deliveries > max_attempts:
-                    self.dead_letter(
-                        entry,
-                        f"delivered {entry.deliveries} times, more than max_attempts {max_attempts}",
-                    )
-                else:
-                    kept.append(entry)
-            entries = kept
+                    over.append(entry)
+            if over:
+                log.warning(
+                    "%d groups of %s pending for %s re-read after %d or more restarts before a "
+                    "commit (more than buffer.max_attempts %d); kept, not dead-lettered. If one "
+                    "of them crashes the trainer, move it with `rollstream dead-letter %s <id> "
+                    "--reason ...` (ids %s)",
+                    len(over), stream, self.consumer, min(e.deliveries for e in over) - 1,
+                    max_attempts, f"{GROUPS}:{task}",
+                    ", ".join(e.id for e in over[:8]) + (" ..." if len(over) > 8 else ""),
+                )  # fmt: skip
         return entries

@@ -125,13 +125,18 @@ return foreign
 )
 
 # KEYS: stream, dead stream, progress hash, fence counter of the stream
-# ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field
-# Takes over entries idle longer than min idle from *other* consumers, and bumps the
-# fence counter when it does, which aborts any settle of theirs in flight (WATCH); those delivered
-# more than max attempts times, and those deleted while pending, become dead letters.
+# ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field,
+#       groups_dead progress field ('' = none), '1' to take back own entries too, then
+#       the ids of this stream the caller holds (never taken)
+# Takes over entries idle longer than min idle from *other* consumers, and the caller's
+# own entries that it no longer holds (a settle that failed on a lost connection, a claim
+# or a read whose reply was lost and the command sent again: pending under a live
+# consumer that does not know it has them), and bumps the fence counter when it does,
+# which aborts any settle in flight (WATCH); those delivered more than max attempts
+# times, and those deleted while pending, become dead letters.
 # Returns {next start id ('0-0' when done), {{id, fields, deliveries}...}}.
 #
-# Not XAUTOCLAIM: it cannot leave the caller's own entries alone (a live producer
+# Not XAUTOCLAIM: it cannot leave the caller's held entries alone (a live producer
 # would take back, and count again, a claim it is still generating), and Redis 6.2
 # answers an entry deleted while pending with a nil in place of the entry, id and all.
 # XPENDING ... IDLE names each entry's owner; XCLAIM then takes one entry at a time.
@@ -143,10 +148,12 @@ check_counter(KEYS[3], ARGV[7])
 local count = tonumber(ARGV[5])
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', count)
 local max_attempts = tonumber(ARGV[6])
+local own, held = ARGV[9] == '1', {}
+for i = 10, #ARGV do held[ARGV[i]] = true end
 local out, dead, fenced = {}, 0, false
 for _, p in ipairs(pending) do
   local id, owner, deliveries = p[1], p[2], p[4] + 1
-  if owner ~= ARGV[2] then
+  if owner ~= ARGV[2] or (own and not held[id]) then
     if not fenced then
       redis.call('INCR', KEYS[4])
       fenced = true
@@ -170,7 +177,7 @@ for _, p in ipairs(pending) do
   end
 end
 if dead > 0 and ARGV[7] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[7], dead) end
-if dead > 0 and ARGV[8] and ARGV[8] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[8], dead) end
+if dead > 0 and ARGV[8] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[8], dead) end
 local cursor = '0-0'
 if #pending == count then cursor = '(' .. pending[#pending][1] end
 return {cursor, out}

@@ -4,18 +4,21 @@ moved to the dead letters by hand."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
 
-from rollstream.shared.buffer import ReplayBuffer
+from rollstream.consumer.batches import BatchReader
+from rollstream.shared.buffer import Batch, ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import RedisOutOfMemory
-from rollstream.shared.keys import PRODUCERS, Count, progress_field
+from rollstream.shared.keys import GROUPS, PRODUCERS, TRAINER, Count, Keys, progress_field
 from tests.conftest import SettingsFactory
-from tests.helpers import group_for, prompts
+from tests.helpers import group_for, prompts, wait_for, wait_idle
 
 pytestmark = pytest.mark.integration
 
@@ -66,3 +69,145 @@ def test_settle_refused_for_memory_is_one_clear_error_and_loses_nothing(
     assert producer.complete(claim, group_for(claim.prompt)) is not None
     assert producer.client.xlen(producer.keys.groups("math")) == 1
     assert counter(producer, "math", Count.COMPLETED) == 1
+
+
+def _lose_reply_once(client: redis.Redis, lost: Callable[[Any], bool]) -> list[Any]:
+    """Make the client lose the reply of the first command whose reply ``lost`` picks, as
+    a dropped connection would, after Redis ran it: the client's outage retry sends the
+    command again. Returns the replies lost (one, once it happened)."""
+    original = client.parse_response
+    dropped: list[Any] = []
+
+    def parse_response(connection: Any, command_name: Any, **options: Any) -> Any:
+        reply = original(connection, command_name, **options)
+        if not dropped and lost(reply):
+            dropped.append(reply)
+            connection.disconnect()
+            raise redis.ConnectionError("connection lost (test)")
+        return reply
+
+    client.parse_response = parse_response  # type: ignore[method-assign]
+    return dropped
+
+
+def _settled_once(buffer: ReplayBuffer, task: str) -> None:
+    """The task's one prompt completed exactly once, nothing pending anywhere."""
+    assert buffer.client.xlen(buffer.keys.groups(task)) == 1
+    assert counter(buffer, task, Count.COMPLETED) == 1
+    assert buffer.client.xlen(buffer.keys.prompts(task)) == 0
+    assert buffer.client.xpending(buffer.keys.prompts(task), PRODUCERS)["pending"] == 0
+
+
+def test_a_lone_producer_takes_back_a_claim_whose_reply_was_lost(make) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p1")
+    producer.feed(prompts("math", 1))
+    # the bounded claim's reply ({stream, id, fields} per entry) is lost after Redis ran it
+    lost = _lose_reply_once(
+        producer.client, lambda r: isinstance(r, list) and r and isinstance(r[0], list) and len(r[0]) == 3
+    )
+    assert producer.claim("math", limit=100) == []  # the retry found nothing new
+    assert lost, "the claim's reply was not lost: the test does not test what it says"
+    stream = producer.keys.prompts("math")
+    assert producer.client.xpending(stream, PRODUCERS)["pending"] == 1  # pending, unknown to it
+    wait_idle(producer.client, stream, PRODUCERS, IDLE_MS)
+    [claim] = wait_for(lambda: producer.claim("math", limit=100))
+    assert claim.entry.deliveries == 2
+    assert producer.complete(claim, group_for(claim.prompt)) is not None
+    _settled_once(producer, "math")
+
+
+@pytest.mark.parametrize("applied", [False, True], ids=["before-redis", "reply-lost"])
+def test_a_lone_producer_takes_back_a_claim_whose_settle_failed(make, applied: bool) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p1")
+    producer.feed(prompts("math", 1))
+    [claim] = producer.claim("math", limit=100)
+    original = producer.streams.round_trip
+
+    def blip(commands: list[Any]) -> list[Any]:
+        if applied:
+            original(commands)  # the settle ran, its reply did not come back
+        raise redis.ConnectionError("connection lost (test)")
+
+    producer.streams.round_trip = blip  # type: ignore[method-assign]
+    with pytest.raises(redis.ConnectionError):
+        producer.complete(claim, group_for(claim.prompt))
+    producer.streams.round_trip = original  # type: ignore[method-assign]
+    if not applied:
+        stream = producer.keys.prompts("math")
+        wait_idle(producer.client, stream, PRODUCERS, IDLE_MS)
+        [again] = wait_for(lambda: producer.claim("math", limit=100))
+        assert again.entry.id == claim.entry.id
+        assert producer.complete(again, group_for(again.prompt)) is not None
+    else:
+        assert producer.claim("math", limit=100) == []
+    _settled_once(producer, "math")
+
+
+def test_a_held_claim_is_never_taken_back_by_its_own_producer(make) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p1")
+    producer.feed(prompts("math", 2))
+    [held] = producer.claim("math", limit=100)
+    wait_idle(producer.client, producer.keys.prompts("math"), PRODUCERS, IDLE_MS)  # not touched
+    [other] = producer.claim("math", 2, limit=100)  # the second prompt, not the held one again
+    assert other.entry.id != held.entry.id
+    assert producer.reclaim("prompts", "math", 10, force=True) == []
+
+
+def test_a_trainer_takes_back_groups_whose_read_reply_was_lost(make) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p1")
+    producer.feed(prompts("math", 1))
+    [claim] = producer.claim("math", limit=100)
+    producer.complete(claim, group_for(claim.prompt))
+    trainer = make("trainer")
+    assert len(trainer.read_batch("math", 0)) == 0
+    trainer._recover_from["math"] = "done"  # a trainer past its start-up re-read
+    # XREADGROUP's reply, [[stream, [entry, ...]]], lost after Redis delivered the entry
+    lost = _lose_reply_once(
+        trainer.client, lambda r: isinstance(r, list) and r and isinstance(r[0], list) and r[0][1]
+    )
+    assert len(trainer.read_batch("math", 1)) == 0  # the read's reply was lost, the retry got nothing
+    assert lost
+    stream = trainer.keys.groups("math")
+    wait_idle(trainer.client, stream, TRAINER, IDLE_MS)
+    batch = wait_for(lambda: trainer.read_batch("math", 1).items)
+    assert [item.group.group_id for item in batch] == ["math:u0"]
+    batch_ = Batch("math", batch)
+    assert trainer.commit(batch_) == []
+    assert trainer.client.xpending(stream, TRAINER)["pending"] == 0
+
+
+def test_a_trainer_keeps_the_groups_it_holds_from_another_trainer_consumer(
+    redis_server: EmbeddedRedis, make_settings: SettingsFactory
+) -> None:
+    """A step (or a batch wait) longer than claim_idle_ms: the groups stay the holder's,
+    refreshed while it holds them, and the other trainer-group consumer takes none."""
+    settings = make_settings(
+        redis_server.url,
+        tasks=[{"name": "math", "n": 4}],
+        rollout={"batch_size": 2},
+        buffer={"claim_idle_ms": IDLE_MS, "max_attempts": 3, "block_ms": 100},
+    )
+    client = connect(settings.redis)
+    try:
+        producer = ReplayBuffer(client, settings, "p1")
+        producer.feed(prompts("math", 2))
+        for claim in producer.claim("math", 2, limit=100):
+            producer.complete(claim, group_for(claim.prompt))
+        holder = BatchReader(client, settings, "trainer-a")
+        other = ReplayBuffer(client, settings, "trainer-b")
+        batch = holder.get_batch(1, timeout_s=5.0)
+        assert len(batch) == 2
+        started = time.monotonic()
+        taken: list[str] = []
+
+        def held_long_enough() -> bool:  # meanwhile the other consumer tries to take them
+            taken.extend(e.id for e in other.reclaim(GROUPS, "math", 10, force=True))
+            return time.monotonic() - started > 4 * IDLE_MS / 1000
+
+        wait_for(held_long_enough, timeout=30)
+        assert taken == []
+        assert batch.commit() == []  # every group still the holder's: trained once
+        assert client.xpending(Keys(settings.run).groups("math"), TRAINER)["pending"] == 0
+        holder.close()
+    finally:
+        client.close()
