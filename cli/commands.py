@@ -18,6 +18,7 @@ from tqdm import tqdm
 from rollstream.cli.process import Process, cold_stop, running, start_line, stop_on_signals, wait_until_gone
 from rollstream.producer.feeder import Cursor, Feeder
 from rollstream.producer.prompts import read_prompt_file
+from rollstream.shared import telemetry
 from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
 from rollstream.shared.connection import check_server, connect, wait_for_redis
 from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
@@ -299,6 +300,9 @@ def engines(
         stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
         log.info("engines: Ray cluster at %s%s", gcs, "" if address else " (started by this process)")
         pool.append(EnginePool.start(settings, detached=not foreground))
+        unwatch = telemetry.register(
+            telemetry.EngineCollector(lambda: [] if stop.is_set() else pool[0].probe(timeout_s=1.0))
+        )
         process.control.set_ray_address(gcs)
         names = ", ".join(actor_name(settings.run, i) for i in range(settings.engines.count))
         log.info("%d %s engines ready: %s (namespace %s)", settings.engines.count, settings.engines.kind,
@@ -312,6 +316,7 @@ def engines(
             # through the engines: keep them until the producers are gone (bounded)
             wait_until_gone(process, (Role.PRODUCER,))
         finally:
+            unwatch()
             killed = EnginePool.stop(settings)
             with contextlib.suppress(redis.RedisError):
                 process.control.clear_ray_address(gcs)

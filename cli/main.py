@@ -189,6 +189,12 @@ def cmd_judge(args: argparse.Namespace) -> int:
     return judge(_settings(args), stop=stop_on_signals(), burst=args.burst)
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from rollstream.cli.metrics import serve_run_metrics
+
+    return serve_run_metrics(_settings(args), stop_on_signals())
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rollstream.cli.demo import demo
 
@@ -322,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("judge", help="an rq worker that judges groups (with producer.judge_on_queue)")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.set_defaults(func=cmd_judge)
+
+    p = sub.add_parser(
+        "metrics", help="serve the run's Redis-side figures (depth, lag, pending, steps) to Prometheus"
+    )
+    p.set_defaults(func=cmd_metrics)
 
     p = sub.add_parser("train", help="the reference trainer: read batches, train, publish weights")
     p.add_argument("--steps", type=_at_least(1), required=True, help="train steps to run")

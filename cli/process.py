@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 
+from rollstream.shared import telemetry
 from rollstream.shared.buffer import default_consumer_name
 from rollstream.shared.connection import STOPPING, wait_for_redis
 from rollstream.shared.errors import RollstreamError
@@ -130,7 +131,15 @@ def start_line(role: str, settings: Settings, **extra: Any) -> None:
 
 
 @contextmanager
-def running(
+def running(settings: Settings, role: str, stop: threading.Event, **options: Any) -> Iterator[Process | None]:
+    """The process's life around its work (``_running``), with its Prometheus metrics served
+    meanwhile on metrics.port or $PORT (shared/telemetry.py); the same options."""
+    with telemetry.serving(settings, role), _running(settings, role, stop, **options) as process:
+        yield process
+
+
+@contextmanager
+def _running(
     settings: Settings,
     role: str,
     stop: threading.Event,

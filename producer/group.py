@@ -34,6 +34,7 @@ from rollstream.shared.buffer import Claim, ReplayBuffer
 from rollstream.shared.keys import EVALS
 from rollstream.shared.records import Group, Prompt, Sample, Status
 from rollstream.shared.settings import ProducerSettings, Settings
+from rollstream.shared.telemetry import group_completed, group_generated, judge_failed, judged
 
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
 DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
@@ -148,6 +149,7 @@ class GroupRunner:
         try:
             samples = await self.generate(claim)
             generated = time.monotonic()
+            group_generated(claim.task, generated - started)
         except asyncio.CancelledError:
             self.buffer.abort(claim, [])  # the producer stops: the claim goes back now
             raise
@@ -164,6 +166,7 @@ class GroupRunner:
         try:
             await self.score(group)
         except JudgeError as exc:
+            judge_failed(claim.task)
             self.buffer.dead_letter(claim.entry, f"judge failed: {exc}")
             return FAILED
         except asyncio.CancelledError:
@@ -173,12 +176,14 @@ class GroupRunner:
             self.buffer.abort(claim, keep)
             raise
         group.timings.update(generate_s=generated - started, judge_s=time.monotonic() - generated)
+        judged(claim.task, group.timings["judge_s"])
         if claim.source != EVALS and not self.is_valid(group):  # eval results are all kept
             return FILTERED if self.buffer.drop(claim, group) else FENCED
         self.recent_s.append(time.monotonic() - started)
         if await self.completions.complete(claim, group) is None:
             return FENCED
         self.window.add(group)
+        group_completed(claim.task, group.response_tokens)
         return COMPLETED
 
     # --- generate ----------------------------------------------------------------------

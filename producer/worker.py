@@ -43,6 +43,7 @@ from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunContro
 from rollstream.shared.keys import EVALS
 from rollstream.shared.liveness import Liveness
 from rollstream.shared.settings import Settings
+from rollstream.shared.telemetry import admission_wait, group_finished, track_inflight, weight_synced
 
 POLL_S = 0.05
 SETTLE_S = 2.0  # at a stop, how long aborted groups get to settle before they are cancelled
@@ -157,6 +158,7 @@ class Producer:
         if agent_startup is not None:
             await agent_startup()
         self._open.set()
+        track_inflight(lambda: len(self.inflight), lambda: self.pool.outstanding)
         log.info(
             "producer %s joins run %r at model step %d%s",
             self.name, self.settings.run, self.model_step, " (paused)" if self.paused else "",
@@ -212,6 +214,7 @@ class Producer:
             )
             if not got and self.buffer.unclaimed(task) > 0:
                 self.stats.admission_waits += 1
+                admission_wait(task)
             claims += got
         self.stats.claims += len(claims)
         return claims
@@ -272,6 +275,10 @@ class Producer:
             for t in self.batch
         )
 
+    def _count(self, claim: Claim, outcome: str) -> None:
+        self.stats.count(outcome)
+        group_finished(claim.task, outcome, self.settings.task(claim.task).n)
+
     async def _settled(self, stop: asyncio.Event) -> None:
         """Wait for a group to finish, or a moment for new work or room."""
         if self.inflight:
@@ -281,9 +288,9 @@ class Producer:
                 if task.exception() is not None:
                     # unsettled: the claim stays pending and is reclaimed, counted as a delivery
                     log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
-                    self.stats.count("error")
+                    self._count(claim, "error")
                 else:
-                    self.stats.count(task.result())
+                    self._count(claim, task.result())
         else:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_S):  # not wait_for: on 3.11 it can swallow a cancellation
@@ -298,7 +305,7 @@ class Producer:
             for event in events:
                 after = event.id
                 if event.type == WEIGHT_SYNC and event.model_step > self.model_step:
-                    await self.sync_weights(event.model_step, event.uri or None)
+                    await self.sync_weights(event.model_step, event.uri or None, published=event.id)
                 elif event.type == PAUSE and not self.paused:
                     await self.pause()
                 elif event.type == RESUME and self.paused:
@@ -319,13 +326,17 @@ class Producer:
         log.info("run paused: producer %s claims nothing (%d groups in flight, %s)",
                  self.name, len(self.inflight), mode)  # fmt: skip
 
-    async def sync_weights(self, model_step: int, uri: str | None) -> None:
-        """Stop claiming, move the engines to ``model_step`` the configured way, go on."""
+    async def sync_weights(self, model_step: int, uri: str | None, published: str | None = None) -> None:
+        """Stop claiming, move the engines to ``model_step`` the configured way, go on.
+        ``published``: the id of the sync's event, whose time (Redis' clock) the sync's
+        latency is measured from."""
         self._open.clear()
         try:
+            started = time.monotonic()
             stuck = await self.pool.sync_weights(
                 model_step, uri, self.settings.rollout.on_weight_sync, self.settings.producer.sync_timeout_s
             )
+            reload_s = time.monotonic() - started
             if stuck:
                 # engines that never confirmed: cancel what this producer has on them, so
                 # those groups come back aborted and are produced again on another engine
@@ -333,6 +344,10 @@ class Producer:
             await self.record_metrics()
             self.model_step = model_step
             self.stats.weight_syncs += 1
+            since = None
+            if published:  # a stream id: milliseconds of Redis' clock, then a sequence
+                since = self.control.server_time() - int(published.partition("-")[0]) / 1000
+            weight_synced(model_step, reload_s, since)
             # say so now, not at the next heartbeat: trainers wait on it (wait_for_producers)
             self.control.heartbeat(self.name, self.model_step, len(self.inflight))
         finally:
@@ -429,7 +444,7 @@ class Producer:
             await asyncio.gather(*still, return_exceptions=True)
         for task, claim in list(self.inflight.items()):
             if not task.cancelled() and task.exception() is None:
-                self.stats.count(task.result())
+                self._count(claim, task.result())
             elif not task.cancelled():
                 log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
             self.inflight.pop(task)

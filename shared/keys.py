@@ -121,6 +121,7 @@ class Role(StrEnum):
     TRAINER = "trainer"
     FEEDER = "feeder"
     JUDGE = "judge"
+    METRICS = "metrics"
 
 
 ROLES = tuple(Role)
