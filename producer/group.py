@@ -19,6 +19,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis
@@ -139,6 +140,10 @@ class GroupRunner:
         self.inflight: set[str] = set()  # request ids, for aborts
         self.rollouts: set[Rollout] = set()  # the attempts generating now
         self.completions = Completions(buffer)
+        # an in-process judge runs here, one group at a time as it did inline, never on the
+        # event loop: a slow one would freeze the producer (its weight syncs, the proxy's
+        # HTTP server, every other group)
+        self._judging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge")
         self.retries = 0
         self.window = Window()  # what completed groups brought since the last metrics record
 
@@ -302,7 +307,8 @@ class GroupRunner:
 
     async def score(self, group: Group) -> None:
         if self.rq_judge is None:
-            rewards = self.judge(group.prompt, group.samples)
+            loop = asyncio.get_running_loop()
+            rewards = await loop.run_in_executor(self._judging, self.judge, group.prompt, group.samples)
         else:
             job = self.rq_judge.submit(group.prompt, group.samples)
             # rq retries a failed or killed job itself: wait for every try
