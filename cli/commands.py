@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
 from rollstream.shared.connection import check_server, connect, wait_for_redis
 from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
 from rollstream.shared.events import CONTROL_EVENTS, STOP, WEIGHT_SYNC, RunControl
-from rollstream.shared.keys import TRAIN_STEP, Keys, Role
+from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, TRAIN_STEP, Keys, Role
 from rollstream.shared.liveness import Heartbeat
 from rollstream.shared.logs import Ticker, on_terminal
 from rollstream.shared.runconfig import check_run_settings
@@ -225,6 +226,33 @@ def steps(settings: Settings, *, train_step: int | None, yes: bool, model_step: 
         return 1
     client.hset(Keys(settings.run).state, TRAIN_STEP, train_step)
     print(f"train_step set to {train_step}: a trainer started now goes on at step {train_step + 1}")
+    return 0
+
+
+def dead_letter(settings: Settings, stream: str, entry_id: str, reason: str) -> int:
+    """Move one entry of the run (``stream``: KIND:TASK such as groups:math, a stream key,
+    or a task for its groups stream) to the dead letters with ``reason``: what an operator
+    does with an entry no reader of this version reads, or a group that crashes the
+    trainer. Counted in the task's dead (and groups_dead) like every dead letter."""
+    keys = Keys(settings.run)
+    kind, _, task = stream.partition(":")
+    if stream.startswith(f"{keys.base}:"):
+        kind, task = keys.parse_stream(stream) or ("", "")
+    elif not task:
+        kind, task = GROUPS, stream
+    if kind not in GROUP_OF_KIND or not task:
+        raise InputError(
+            f"dead-letter: {stream!r} names no stream of run {settings.run!r}: give KIND:TASK "
+            f"(KIND one of {', '.join(GROUP_OF_KIND)}), a stream key, or a task for its groups"
+        )
+    if not re.fullmatch(r"[0-9]{1,20}-[0-9]{1,20}", entry_id):
+        raise InputError(f"dead-letter: {entry_id!r} is not a stream entry id (like 1712345678901-0)")
+    if not reason.strip():
+        raise InputError("dead-letter: --reason must say why (it is stored with the dead letter)")
+    buffer = ReplayBuffer(connect(settings.redis), settings, default_consumer_name("operator"))
+    dead, owner, deliveries = buffer.dead_letter_by_hand(kind, task, entry_id, reason)
+    held = f"pending for {owner}, delivered {deliveries} times" if owner else "not pending"
+    print(f"{keys.stream(kind, task)} {entry_id} ({held}) moved to {keys.dead} as {dead}: by hand: {reason}")
     return 0
 
 

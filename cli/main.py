@@ -98,6 +98,12 @@ def cmd_steps(args: argparse.Namespace) -> int:
     return steps(_settings(args), train_step=args.train_step, yes=args.yes, model_step=args.model_step)
 
 
+def cmd_dead_letter(args: argparse.Namespace) -> int:
+    from rollstream.cli.commands import dead_letter
+
+    return dead_letter(_settings(args), args.stream, args.entry_id, args.reason)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from rollstream.cli.show import show
 
@@ -277,6 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--yes", action="store_true", help="confirm --train-step or --model-step")
     p.set_defaults(func=cmd_steps)
+
+    p = sub.add_parser(
+        "dead-letter", help="move one entry to the run's dead letters, with a reason (an operator's repair)"
+    )
+    p.add_argument(
+        "stream", help="KIND:TASK (groups:math, prompts:math, ...), a stream key, or a task (its groups)"
+    )
+    p.add_argument("entry_id", help="the entry's id, e.g. 1712345678901-0")
+    p.add_argument("--reason", required=True, help="why: stored in the dead letter's reason field")
+    p.set_defaults(func=cmd_dead_letter)
 
     p = sub.add_parser("show", help="decoded entries of one stream of the run (token arrays as counts)")
     p.add_argument("kind", choices=KINDS)

@@ -466,7 +466,7 @@ class ReplayBuffer:
         batch = Batch(task)
         for entry in entries:
             try:
-                batch.items.append(BatchItem(entry, codec.decode_group(entry.fields)))
+                batch.items.append(BatchItem(entry, codec.decode_group(entry.fields, task)))
             except DecodeError as exc:
                 self.dead_letter(entry, str(exc))
             except FormatError as exc:
@@ -570,6 +570,32 @@ class ReplayBuffer:
             fields[f"orig.{key}" if key in fields else key] = value
         untrained = {progress_field(entry.task, Count.GROUPS_DEAD): 1.0} if entry.kind == GROUPS else None
         return self._settle(entry, self.keys.dead, fields, Count.DEAD, untrained) is not None
+
+    def dead_letter_by_hand(self, kind: str, task: str, entry_id: str, reason: str) -> tuple[str, str, int]:
+        """An operator's move of one entry of a task's stream to the dead letters (an entry
+        no reader of this version can read, a group that crashes the trainer), pending or
+        not, whoever holds it: counted in ``dead`` (and ``groups_dead`` for a group) like
+        every dead letter, its holder's settle fenced off. Returns the dead letter's id,
+        the consumer that held the entry ('' when none) and its deliveries;
+        ReplayBufferError when the stream has no such entry."""
+        if kind not in GROUP_OF_KIND:
+            raise ReplayBufferError(
+                f"{kind!r} is not a stream kind with entries to dead-letter ({', '.join(GROUP_OF_KIND)})"
+            )
+        self.ensure(task)
+        stream = self.keys.stream(kind, task)
+        keys = [stream, self.keys.dead, self.keys.progress, self.keys.fence(stream)]
+        args = [
+            GROUP_OF_KIND[kind], entry_id, f"by hand: {reason}", progress_field(task, Count.DEAD),
+            progress_field(task, Count.GROUPS_DEAD) if kind == GROUPS else "",
+        ]  # fmt: skip
+        try:
+            dead, owner, deliveries = self.scripts.dead_letter_by_hand(keys=keys, args=args)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOENTRY"):
+                raise
+            raise ReplayBufferError(str(exc).removeprefix("NOENTRY ")) from None
+        return text(dead), text(owner), int(deliveries)
 
     # --- mechanics -------------------------------------------------------------------
 

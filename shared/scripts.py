@@ -184,6 +184,37 @@ return {cursor, out}
 """
 )
 
+# KEYS: stream, dead stream, progress hash, fence counter of the stream
+# ARGV: group, id, reason, dead progress field, groups_dead progress field ('' = none)
+# An operator's dead letter of one entry, pending or not, whoever holds it: appends the
+# dead letter, acks and deletes the entry, counts it, and bumps the fence (a settle of its
+# holder in flight then finds it gone and writes nothing). Returns {dead letter id, owner
+# ('' when not pending), deliveries}, or an error NOENTRY when the stream has no such entry.
+DEAD_LETTER_BY_HAND = (
+    _DEAD_LETTER_FN
+    + _CHECK_COUNTER_FN
+    + """
+local t = redis.call('TYPE', KEYS[1]).ok
+if t ~= 'stream' then return redis.error_reply('NOENTRY ' .. KEYS[1] .. ' is not a stream') end
+local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if not entry and #pending == 0 then
+  return redis.error_reply('NOENTRY no entry ' .. ARGV[2] .. ' in ' .. KEYS[1])
+end
+check_counter(KEYS[3], ARGV[4])
+check_counter(KEYS[3], ARGV[5])
+local owner, deliveries = '', 0
+if #pending > 0 then owner, deliveries = pending[1][2], pending[1][4] end
+redis.call('INCR', KEYS[4])
+local dead = dead_letter(KEYS[2], KEYS[1], ARGV[2], ARGV[3], deliveries, entry and entry[2] or nil)
+if #pending > 0 then redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) end
+if entry then redis.call('XDEL', KEYS[1], ARGV[2]) end
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[5], 1) end
+return {dead, owner, deliveries}
+"""
+)
+
 # KEYS: stream
 # ARGV: group, consumer, ids...
 # Resets the idle time of the ids still pending for this consumer (a heartbeat of work
@@ -297,6 +328,7 @@ class Scripts:
         self.commit: Script = client.register_script(COMMIT)
         self.reclaim: Script = client.register_script(RECLAIM)
         self.touch: Script = client.register_script(TOUCH)
+        self.dead_letter_by_hand: Script = client.register_script(DEAD_LETTER_BY_HAND)
         self.claim_bounded: Script = client.register_script(CLAIM_BOUNDED)
         self.feed: Script = client.register_script(FEED)
         self.feed_at_cursor: Script = client.register_script(FEED_AT_CURSOR)
