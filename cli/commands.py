@@ -27,7 +27,7 @@ from rollstream.shared.events import CONTROL_EVENTS, STOP, WEIGHT_SYNC, RunContr
 from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, TRAIN_STEP, Keys, Role
 from rollstream.shared.liveness import Heartbeat
 from rollstream.shared.logs import Ticker, on_terminal
-from rollstream.shared.runconfig import check_run_settings
+from rollstream.shared.runconfig import check_run_settings, run_identity
 from rollstream.shared.settings import Settings, redact_url
 from rollstream.shared.status import RunStatus, run_status
 from rollstream.shared.waiting import NotYet, wait_until
@@ -49,6 +49,7 @@ def feed(
     client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
     if client is None:
         return 0
+    run_identity(client, Keys(settings.run), settings.redis.url)  # a run marked lost is not fed again
     check_run_settings(client, Keys(settings.run), settings, default_consumer_name("feed"))
     result = ReplayBuffer(client, settings, default_consumer_name("feed")).feed(prompts)
     print(f"{path}: {result.added} prompts added to task {task!r}, {result.existing} already there")
@@ -514,13 +515,16 @@ def train(
     eval_file: str | None = None,
     eval_every: int = 10,
     eval_task: str | None = None,
+    state_file: str | None = None,
 ) -> int:
     """The reference trainer for ``steps`` steps, a log line per step (and a tqdm bar on
     a terminal); with ``hf_model`` a real policy-optimisation step (the loss the
     ``algorithm`` settings select) whose weights the hf engines load; with
     ``stop_run`` the run's stop event once the steps are done; with ``eval_file``
     its prompts evaluated every ``eval_every`` steps through the coordinator, sampled
-    as in training and greedily, a log line each."""
+    as in training and greedily, a log line each; with ``state_file`` the trainer's own
+    record of the run (its id and last committed step), checked at the start: a Redis
+    that lost the run is then named, never trained again from step 1."""
     from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 
     held_out = None
@@ -544,12 +548,16 @@ def train(
         )
     last: dict[str, Any] = {}
     rollout = settings.rollout
+    own = _read_trainer_record(state_file, settings.run) if state_file else None
+    known = (str(own["run_id"]), f"the trainer's record {state_file}") if own else None
     with running(
-        settings, Role.TRAINER, stop, name=consumer, detail=lambda: dict(last),
+        settings, Role.TRAINER, stop, name=consumer, detail=lambda: dict(last), known_run=known,
         steps=steps, batch_size=rollout.batch_size, max_staleness=rollout.max_staleness,
     ) as process:  # fmt: skip
         if process is None:
             return 0
+        if own is not None:
+            _check_trainer_record(process, own, str(state_file))
         evaluator = None
         if held_out:
             from rollstream.consumer.coordinator import BatchCoordinator
@@ -565,6 +573,8 @@ def train(
         with tqdm(total=steps, unit="step", desc="train", disable=not on_terminal()) as bar:
 
             def on_step(entry: StepLog) -> None:
+                if state_file:
+                    _write_trainer_record(state_file, process, entry.step)
                 bar.update(1)
                 last.update(step=entry.step, groups=entry.groups)
                 reward = "-" if entry.reward_mean is None else f"{entry.reward_mean:.3f}"
@@ -588,6 +598,59 @@ def train(
             event = process.control.publish(STOP)
             log.info("trainer: published the run's stop event %s", event)
     return 0
+
+
+def _read_trainer_record(path: str, run: str) -> dict[str, Any] | None:
+    """The trainer's own record of ``run`` (None when it has none: a new run, or a file
+    of another run)."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the trainer's record: {exc}") from None
+    try:
+        record = orjson.loads(raw)
+        ok = isinstance(record, dict) and isinstance(record["run_id"], str) and int(record["train_step"]) >= 0
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise InputError(
+            f"{path}: not a trainer's record (JSON with run, run_id and train_step): {raw[:80]!r}; "
+            "delete it to start the run afresh"
+        )
+    return record if record.get("run") == run else None
+
+
+def _check_trainer_record(process: Process, own: dict[str, Any], path: str) -> None:
+    """A run id that matches, but a train_step in Redis behind the record's: Redis lost
+    its last writes (a crash within the append-only file's fsync second, or an older copy
+    of its data). Training again from there would train those steps twice."""
+    from rollstream.shared.errors import RunLost
+    from rollstream.shared.runconfig import committed_step
+
+    stored, recorded = committed_step(process.client, process.keys), int(own["train_step"])
+    if stored < recorded:
+        raise RunLost(
+            f"run {process.settings.run!r}: Redis at {redact_url(process.settings.redis.url)} holds "
+            f"train_step {stored}, but the trainer's record {path} says step {recorded} was committed: "
+            "Redis lost its latest writes (an older copy of its data?). Nothing was trained: restore "
+            f"Redis's data, or go on from there on purpose with `rollstream steps --train-step {recorded} "
+            "--yes` (the groups of the lost steps are gone)"
+        )
+
+
+def _write_trainer_record(path: str, process: Process, step: int) -> None:
+    """After each committed step: the run's id and the step, replaced atomically."""
+    record = {
+        "run": process.settings.run, "run_id": process.run_id, "train_step": step,
+        "redis": redact_url(process.settings.redis.url), "ts": time.time(),
+    }  # fmt: skip
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(target.name + ".tmp")
+    temporary.write_bytes(orjson.dumps(record) + b"\n")
+    os.replace(temporary, target)
 
 
 def _recorder(path: str) -> Any:

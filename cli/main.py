@@ -19,6 +19,7 @@ from rollstream.shared.errors import (
     RedisTooOld,
     RedisUnavailable,
     RollstreamError,
+    RunLost,
     SettingsError,
     WaitTimeout,
 )
@@ -32,6 +33,8 @@ RET_ERROR = 1  # an operation failed
 RET_INPUT = 2  # bad arguments, settings or input files
 RET_CONNECT = 3  # Redis unreachable or too old
 RET_WAIT = 4  # what the process needs (Redis, engines, a Ray address) did not come in time
+RET_PIPE = 141  # the reader of the output went away: what a Unix tool killed by SIGPIPE exits with
+RET_LOST = 5  # Redis lost the run's data (emptied, restarted empty): the run is not started again
 # the demo's recipes: rollstream.cli.learning.RECIPES, named here to keep this import light
 RECIPE_NAMES = ("sync", "async", "async_tis", "async_decoupled")
 # rollstream proxy judges with the agents' reported rewards unless producer.judge is set
@@ -186,6 +189,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         eval_file=args.eval_file,
         eval_every=args.eval_every,
         eval_task=args.eval_task,
+        state_file=args.state_file,
     )
 
 
@@ -368,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval-every", type=_at_least(1), default=10, help="train steps between evals")
     p.add_argument("--eval-task", help="the task of the eval prompts (default: the first task)")
+    p.add_argument(
+        "--state-file",
+        help="the trainer's own record of the run (its id, last committed step), checked at start: "
+        "a Redis that lost the run stops the trainer (exit 5) instead of training from step 1 again",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="a model learns through rollstream, in one process on an embedded Redis")
@@ -390,11 +399,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_gone() -> int:
+    """The reader of the output went away (`rollstream show ... | head -1`): stop quietly, as
+    a Unix tool killed by SIGPIPE does (exit status 128 + 13), with no traceback now nor
+    from the flush of stdout at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (an embedding, a test's capture)
+        pass
+    return RET_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # now, where a reader gone is caught below, not at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (SettingsError, InputError) as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_INPUT
@@ -404,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WaitTimeout as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_WAIT
+    except RunLost as exc:
+        print(f"rollstream: {exc}", file=sys.stderr)
+        return RET_LOST
     except redis.ResponseError as exc:
         # e.g. WRONGTYPE: a key of the run that something else wrote with another type
         print(f"rollstream: Redis refused a command: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ RollstreamError
 ├── DecodeError            a stream entry that cannot be decoded into a record
 ├── FormatError            an entry or run written in a stream-format major version we do not read
 ├── CorruptValueError      a state or progress hash field holding what rollstream never writes there
+├── RunLost                the run's data is gone from Redis (emptied, restarted empty, another run)
 ├── WaitTimeout            what a process waited for did not come in time
 ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
 └── ReplayBufferError      a replay-buffer operation that cannot proceed
@@ -41,6 +42,13 @@ class RedisUnavailable(RollstreamError):
 
 class RunSettingsMismatch(SettingsError):
     """Settings that every process of a run must share differ from the run's."""
+
+
+class RunLost(RollstreamError):
+    """Redis no longer holds the run that this process (or the trainer's own record) knows
+    existed: it was emptied, restarted without its data, or holds another run of the name.
+    The process stops instead of starting the run again at step 0; the message says what
+    was lost and how to go on."""
 
 
 class WaitTimeout(RollstreamError):

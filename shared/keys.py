@@ -17,7 +17,7 @@ and one Lua script may touch several of them.
     rs:{run}:dead             stream  dead letters
     rs:{run}:filtered         stream  one small record per group the filter dropped (its uid)
     rs:{run}:state            hash    model_step, train_step, settings, ray_address, paused,
-                                      format, producer:{name} heartbeats,
+                                      format, run_id, lost, producer:{name} heartbeats,
                                       feeder:{task}:cursor
     rs:{run}:alive:{role}:{name}  string  a process's heartbeat JSON; expires by itself
     rs:{run}:rq:*             rq's keys: the judge queue, its jobs, registries and workers
@@ -64,6 +64,8 @@ RUN_SETTINGS = "settings"  # the settings every process of the run must share (J
 RAY_ADDRESS = "ray_address"  # the Ray cluster the run's engines live on
 PAUSED = "paused"  # "1" while the run is paused
 PRODUCER_BEAT = "producer:"  # + a producer's name: its heartbeat JSON (model_step, inflight, ts)
+RUN_ID = "run_id"  # the run's identity, made once by its first process: a Redis that lost it shows
+RUN_LOST = "lost"  # set by the process that found the run's data gone: what was lost (JSON)
 
 
 class Count(StrEnum):

@@ -12,15 +12,16 @@ setting with both values.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import orjson
 import redis
 
 from rollstream.shared.codec import FORMAT_VERSION, check_format
-from rollstream.shared.errors import RunSettingsMismatch, SettingsError
-from rollstream.shared.keys import FORMAT, RUN_SETTINGS, Keys
-from rollstream.shared.settings import ENV_PREFIX, Settings
+from rollstream.shared.errors import RunLost, RunSettingsMismatch, SettingsError
+from rollstream.shared.keys import FORMAT, RUN_ID, RUN_LOST, RUN_SETTINGS, TRAIN_STEP, Keys
+from rollstream.shared.settings import ENV_PREFIX, Settings, redact_url
 
 
 def agreed_settings(settings: Settings) -> dict[str, Any]:
@@ -68,3 +69,85 @@ def check_run_settings(client: redis.Redis, keys: Keys, settings: Settings, who:
             "run must share them, so make them agree or use another run name:\n  " + "\n  ".join(differences)
         )
     return False
+
+
+# What a run keeps in Redis and loses with it: named in RunLost's message.
+LOST_DATA = (
+    "its steps (train_step, model_step), settings, queued prompts, replay buffer, pending claims, "
+    "progress counters and feeder cursors"
+)
+
+
+def run_identity(
+    client: redis.Redis, keys: Keys, url: str, known: str | None = None, known_by: str = ""
+) -> str:
+    """The run's id, made now (HSETNX of ``run_id`` in the state hash) when the run is new.
+
+    A run marked lost (``lost`` in the state, by a process that found its data gone)
+    raises RunLost. So does a run without an id (or with another one) when ``known``
+    says which id it had: ``known_by`` says who knew (the trainer's own record), so
+    a Redis restarted empty is never taken for a new run behind the user's back."""
+    marker = _text(client.hget(keys.state, RUN_LOST))
+    if marker is not None:
+        raise RunLost(_marked_lost(keys, url, marker))
+    current = _text(client.hget(keys.state, RUN_ID))
+    if known is not None and current != known:
+        raise RunLost(lost_message(keys, url, known, current, known_by))
+    if current is None:
+        client.hsetnx(keys.state, RUN_ID, uuid.uuid4().hex)
+        current = _text(client.hget(keys.state, RUN_ID))
+    return current or ""
+
+
+def _text(value: Any) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def check_run_identity(client: redis.Redis, keys: Keys, url: str, known: str, who: str) -> None:
+    """RunLost when Redis no longer holds run id ``known`` (what this process saw at its
+    start); the run is then marked lost in the state, so that no process restarted by a
+    supervisor starts it again at step 0."""
+    current = _text(client.hget(keys.state, RUN_ID))
+    if current == known:
+        return
+    message = lost_message(keys, url, known, current, f"{who}, which started in it")
+    marker = {"run_id": known, "found_by": who, "ts": time.time(), "what": message}
+    client.hsetnx(keys.state, RUN_LOST, orjson.dumps(marker))
+    raise RunLost(message)
+
+
+def lost_message(keys: Keys, url: str, known: str, current: str | None, known_by: str) -> str:
+    shown = redact_url(url)
+    if current is None:
+        found = (
+            f"Redis at {shown} no longer holds it ({keys.state} has no {RUN_ID}: Redis was emptied, "
+            "or restarted without its data)"
+        )
+    else:
+        found = f"Redis at {shown} holds another run of that name (run id {current})"
+    return (
+        f"run {keys.run!r} (run id {known}, known to {known_by}) is lost: {found}. Lost with it: "
+        f"{LOST_DATA}. Nothing was started again at step 0: restore Redis's data (its append-only "
+        "file, with a redis-server that can load it) and restart the run's processes, or start afresh "
+        "under another run name"
+    )
+
+
+def _marked_lost(keys: Keys, url: str, marker: str) -> str:
+    try:
+        what = str(orjson.loads(marker)["what"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        what = repr(marker[:200])
+    return (
+        f"{what} (marked lost in {keys.state} field {RUN_LOST!r} at {redact_url(url)}; to start the run "
+        f"afresh there: `redis-cli -u <redis.url> DEL {keys.state}`)"
+    )
+
+
+def committed_step(client: redis.Redis, keys: Keys) -> int:
+    """The run's last committed train step as stored (0 when absent or unreadable)."""
+    raw = client.hget(keys.state, TRAIN_STEP)
+    try:
+        return int(raw or 0)
+    except ValueError:
+        return 0
