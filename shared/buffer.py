@@ -207,9 +207,11 @@ class ReplayBuffer:
 
     # --- feeding ---------------------------------------------------------------------
 
-    def feed(self, prompts: Iterable[Prompt], pool: str = PROMPTS) -> FeedResult:
+    def feed(self, prompts: Iterable[Prompt], pool: str = PROMPTS, batch: str | None = None) -> FeedResult:
         """Append prompts to their tasks' ``pool`` (fresh prompts, or eval prompts with
-        "evals"); a uid already fed is not stored again."""
+        "evals"); a uid already fed is not stored again. The prompts of a coordinator
+        ``batch`` are remembered in the batch's own fed sets (Keys.batch_fed), which go
+        with the batch, not in the run's, which never shrink."""
         added = existing = 0
         by_task: dict[str, list[Prompt]] = {}
         for prompt in prompts:
@@ -222,7 +224,8 @@ class ReplayBuffer:
                 for p in chunk:
                     fields = codec.encode_prompt(p)
                     args += [fields["uid"], fields["task"], fields["data"]]
-                keys = [self.keys.stream(pool, task), self.keys.fed(task), self.keys.progress]
+                fed = self.keys.fed(task) if batch is None else self.keys.batch_fed(batch, task)
+                keys = [self.keys.stream(pool, task), fed, self.keys.progress]
                 n = int(self.scripts.feed(keys=keys, args=args))
                 added += n
                 existing += len(chunk) - n

@@ -13,6 +13,7 @@ and one Lua script may touch several of them.
     rs:{run}:groups:{task}    stream  the replay buffer        group "trainer"
     rs:{run}:eval:{batch}     stream  eval results of one eval batch
     rs:{run}:batch:{batch}    hash    a coordinator batch: status, kind, counts, result
+    rs:{run}:batch:{batch}:fed:{task}  set  uids fed by the batch (idempotence); gone when it ends
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
     rs:{run}:filtered         stream  one small record per group the filter dropped (its uid)
@@ -194,6 +195,11 @@ class Keys:
 
     def batch(self, batch: str) -> str:
         return f"{self.base}:batch:{validate_name(batch, 'batch id')}"
+
+    def batch_fed(self, batch: str, task: str) -> str:
+        """The uids a coordinator batch fed (rs:{run}:fed:{task} is for one-shot feeds
+        and never shrinks): deleted when the batch ends."""
+        return f"{self.batch(batch)}:fed:{validate_name(task, 'task name')}"
 
     def eval(self, batch: str) -> str:
         return f"{self.base}:eval:{validate_name(batch, 'batch id')}"
