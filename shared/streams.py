@@ -19,7 +19,10 @@ consumer's. However many entries, it is one round trip:
 Only a reclaim moves an entry to another owner, so an EXEC that runs saw no
 change of owner since its gate checked; a reclaim between gate and EXEC
 aborts it, and the settle checks again; entries the gate named are dropped
-and the rest settled again. One claim is settled by one thread: two
+and the rest settled again. A settle whose connection drops is sent again only
+when an entry is still pending for this consumer (EXEC acks all or none, so the
+transaction did not run); EXECABORT (a write Redis refused, e.g. out of memory)
+wrote nothing and is raised as such. One claim is settled by one thread: two
 concurrent settles of the same entry by the same consumer are not fenced
 against each other.
 """
@@ -48,6 +51,7 @@ def text(value: Any) -> str:
 
 
 INT64_MAX = 2**63 - 1
+SETTLE_RESENDS = 3  # a settle sent again after a dropped connection, when it did not run
 _INTEGER = re.compile(r"-?[0-9]{1,19}")  # what Redis writes for an integer: no "+", "_" or spaces
 
 
@@ -213,8 +217,20 @@ class ConsumerStreams:
         this consumer's are left out and the rest settled again."""
         results: list[str | None] = [None] * len(settles)
         todo = list(range(len(settles)))
+        resent = 0
         while todo:
-            replies = self.round_trip(self._settle_commands([settles[i] for i in todo]))
+            commands = self._settle_commands([settles[i] for i in todo])
+            try:
+                replies = self.round_trip(commands)
+            except (redis.ConnectionError, redis.TimeoutError):
+                # The connection dropped: did the transaction run? EXEC acks every entry or
+                # none, so one still pending for us means it did not, and sending it again is
+                # safe. Otherwise (it ran and its reply was lost, or another consumer took the
+                # entries) the error stands; nothing is pending for us either way.
+                if resent >= SETTLE_RESENDS or not self._any_pending([settles[i].entry for i in todo]):
+                    raise
+                resent += 1
+                continue
             verdict, done = replies[1], replies[-1]
             if isinstance(done, Exception):  # EXECABORT: Redis refused a queued write
                 raise refused(done, replies, f"a settle of {len(todo)} entries of {settles[0].entry.stream}")
@@ -236,6 +252,18 @@ class ConsumerStreams:
                 results[i] = text(next(added)) if settles[i].dest else "OK"
             todo = []
         return results
+
+    def _any_pending(self, entries: Sequence[Entry]) -> bool:
+        """Whether any of the entries (of one stream) is pending for this consumer, asked
+        through the client's outage retry: it waits for Redis to answer again."""
+        group = GROUP_OF_KIND[entries[0].kind]
+        for entry in entries:
+            mine = self.client.xpending_range(
+                entry.stream, group, min=entry.id, max=entry.id, count=1, consumername=self.consumer
+            )
+            if mine:
+                return True
+        return False
 
     def _settle_commands(self, settles: Sequence[Settle]) -> list[tuple[Any, ...]]:
         """WATCH fence, the gate, MULTI, the appends, one XACK + XDEL, the progress

@@ -116,30 +116,56 @@ def test_a_lone_producer_takes_back_a_claim_whose_reply_was_lost(make) -> None: 
     _settled_once(producer, "math")
 
 
-@pytest.mark.parametrize("applied", [False, True], ids=["before-redis", "reply-lost"])
-def test_a_lone_producer_takes_back_a_claim_whose_settle_failed(make, applied: bool) -> None:  # type: ignore[no-untyped-def]
-    producer = make("p1")
-    producer.feed(prompts("math", 1))
-    [claim] = producer.claim("math", limit=100)
+def _break_settles(producer: ReplayBuffer, *, times: int, applied: bool = False) -> None:
+    """The next ``times`` settle round trips end on a dropped connection: before Redis got
+    them, or (``applied``) after it ran them, the reply lost."""
     original = producer.streams.round_trip
+    left = [times]
 
     def blip(commands: list[Any]) -> list[Any]:
+        if left[0] <= 0:
+            return original(commands)
+        left[0] -= 1
         if applied:
             original(commands)  # the settle ran, its reply did not come back
         raise redis.ConnectionError("connection lost (test)")
 
     producer.streams.round_trip = blip  # type: ignore[method-assign]
+
+
+def test_a_settle_whose_connection_dropped_before_redis_is_sent_again(make) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p1")
+    producer.feed(prompts("math", 1))
+    [claim] = producer.claim("math", limit=100)
+    _break_settles(producer, times=1)
+    assert producer.complete(claim, group_for(claim.prompt)) is not None  # checked, then sent again
+    _settled_once(producer, "math")
+
+
+def test_a_settle_whose_reply_was_lost_is_not_sent_again(make) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p1")
+    producer.feed(prompts("math", 1))
+    [claim] = producer.claim("math", limit=100)
+    _break_settles(producer, times=1, applied=True)
+    with pytest.raises(redis.ConnectionError):  # it ran: nothing pending for it any more
+        producer.complete(claim, group_for(claim.prompt))
+    assert producer.claim("math", limit=100) == []
+    _settled_once(producer, "math")
+
+
+def test_a_lone_producer_takes_back_a_claim_whose_settle_failed(make) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p1")
+    producer.feed(prompts("math", 1))
+    [claim] = producer.claim("math", limit=100)
+    _break_settles(producer, times=100)  # longer than the settle's own re-sends
     with pytest.raises(redis.ConnectionError):
         producer.complete(claim, group_for(claim.prompt))
-    producer.streams.round_trip = original  # type: ignore[method-assign]
-    if not applied:
-        stream = producer.keys.prompts("math")
-        wait_idle(producer.client, stream, PRODUCERS, IDLE_MS)
-        [again] = wait_for(lambda: producer.claim("math", limit=100))
-        assert again.entry.id == claim.entry.id
-        assert producer.complete(again, group_for(again.prompt)) is not None
-    else:
-        assert producer.claim("math", limit=100) == []
+    del producer.streams.round_trip  # Redis answers settles again
+    stream = producer.keys.prompts("math")
+    wait_idle(producer.client, stream, PRODUCERS, IDLE_MS)
+    [again] = wait_for(lambda: producer.claim("math", limit=100))
+    assert again.entry.id == claim.entry.id
+    assert producer.complete(again, group_for(again.prompt)) is not None
     _settled_once(producer, "math")
 
 
