@@ -275,6 +275,7 @@ def redis_server(settings: Settings, config: str, data_dir: str) -> int:
         raise InputError(f"{config}: no such file (run from the repository root, or give --config)")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     binary = find_redis_server()
+    _check_data_dir(binary, Path(data_dir))
     args = [binary, config, "--port", str(url.port or 6379), "--dir", str(Path(data_dir).resolve())]
     if url.password:
         args += ["--requirepass", url.password]
@@ -283,6 +284,21 @@ def redis_server(settings: Settings, config: str, data_dir: str) -> int:
     sys.stderr.flush()
     os.execv(binary, args)
     return 0  # not reached
+
+
+def _check_data_dir(binary: str, data_dir: Path) -> None:
+    """Refuse an append-only directory that ``binary`` cannot load: Redis 7 keeps its AOF
+    as appendonlydir/ (a manifest and parts), which Redis 6.2 does not read; it would
+    start empty and the run would look lost."""
+    from rollstream.shared.embedded import server_version
+
+    version = server_version(binary)
+    if (data_dir / "appendonlydir").is_dir() and version < (7,):
+        raise InputError(
+            f"{data_dir} holds a Redis 7 append-only directory (appendonlydir/) that {binary} "
+            f"(Redis {'.'.join(map(str, version))}) cannot load: it would start empty. Put a "
+            "redis-server >= 7 on PATH, or move the directory away to start the run afresh"
+        )
 
 
 def engines(
@@ -549,7 +565,9 @@ def train(
     last: dict[str, Any] = {}
     rollout = settings.rollout
     own = _read_trainer_record(state_file, settings.run) if state_file else None
-    known = (str(own["run_id"]), f"the trainer's record {state_file}") if own else None
+    known = (
+        (str(own["run_id"]), f"the trainer's record {state_file}: delete it to start afresh") if own else None
+    )
     with running(
         settings, Role.TRAINER, stop, name=consumer, detail=lambda: dict(last), known_run=known,
         steps=steps, batch_size=rollout.batch_size, max_staleness=rollout.max_staleness,

