@@ -236,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--run", help="run name (setting run, ROLLSTREAM_RUN)")
     parser.add_argument("--redis-url", help="Redis URL (setting redis.url, ROLLSTREAM_REDIS__URL)")
+    parser.add_argument(
+        "--env-file",
+        metavar="PATH",
+        help="read variables from a dotenv file first, as honcho does for the Procfile's processes "
+        "(`rollstream --env-file .env status` after `make run`); its values replace the environment's",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log lines (-vv: debug)")
     parser.add_argument("-q", "--quiet", action="count", default=0, help="fewer log lines")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -399,6 +405,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _load_env_file(path: str) -> None:
+    """The variables of a dotenv file (KEY=VALUE lines, # comments, quoted values: the
+    Procfile's .env) into this process's environment, replacing those already set, so
+    that a command sees the settings the formation's processes see."""
+    from dotenv import dotenv_values
+
+    if not os.path.isfile(path):
+        raise InputError(f"--env-file {path}: no such file")
+    try:
+        values = dotenv_values(path, encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--env-file {path}: cannot be read ({exc})") from None
+    os.environ.update({name: value for name, value in values.items() if value is not None})
+
+
 def _reader_gone() -> int:
     """The reader of the output went away (`rollstream show ... | head -1`): stop quietly, as
     a Unix tool killed by SIGPIPE does (exit status 128 + 13), with no traceback now nor
@@ -416,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if args.env_file:
+            _load_env_file(args.env_file)
         code = func(args)
         sys.stdout.flush()  # now, where a reader gone is caught below, not at exit
         return code
