@@ -4,6 +4,7 @@ moved to the dead letters by hand."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,13 +13,17 @@ import pytest
 import redis
 
 from rollstream.consumer.batches import BatchReader
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.worker import Producer
 from rollstream.shared.buffer import Batch, ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import RedisOutOfMemory
 from rollstream.shared.keys import GROUPS, PRODUCERS, TRAINER, Count, Keys, progress_field
+from rollstream.shared.settings import load_settings
+from rollstream.shared.streams import SETTLE_RESENDS
 from tests.conftest import SettingsFactory
-from tests.helpers import group_for, prompts, wait_for, wait_idle
+from tests.helpers import group_for, prompts, wait_for, wait_for_async, wait_idle
 
 pytestmark = pytest.mark.integration
 
@@ -237,3 +242,38 @@ def test_a_trainer_keeps_the_groups_it_holds_from_another_trainer_consumer(
         holder.close()
     finally:
         client.close()
+
+
+def test_a_lone_producer_process_completes_a_prompt_whose_settle_failed_once_only(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    """The producer's own loop: a settle that fails for good (longer than its re-sends)
+    leaves the claim pending under the live producer, the only one; its loop takes it
+    back after claim_idle_ms and the prompt is completed exactly once."""
+    settings = load_settings(
+        run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 2}],
+        buffer={"claim_idle_ms": IDLE_MS, "max_attempts": 3},
+        engines={"count": 1, "sim": {"time_compression": 50.0, "median_tokens": 20, "sigma": 0.5}},
+        rollout={"mode": "async", "batch_size": 4, "max_staleness": 0},
+        producer={"max_tokens": 100, "is_valid": "keep_all", "heartbeat_s": 0.1, "max_inflight": 4},
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_server.url)
+    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer.buffer.feed(prompts("math", 1))
+    _break_settles(producer.buffer, times=SETTLE_RESENDS + 1)  # the first settle fails for good
+    keys = producer.buffer.keys
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        run = asyncio.create_task(producer.run(stop))
+        try:
+            await wait_for_async(lambda: client.xlen(keys.groups("math")) >= 1 or run.done(), timeout=30)
+        finally:
+            stop.set()
+            await run
+
+    asyncio.run(main())
+    _settled_once(producer.buffer, "math")
+    [(_, group)] = client.xrange(keys.groups("math"))
+    assert group[b"group_id"] == b"math:u0" and group[b"attempt"] == b"2"  # its second delivery
+    client.close()
