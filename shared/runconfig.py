@@ -1,4 +1,5 @@
-"""The settings every process of a run must share, published once in the run's state.
+"""The settings every process of a run must share, published once in the run's state,
+with the protocol's other numbers a foreign trainer reads there instead of guessing.
 
 Producers admit work by the staleness bound and the trainer expires by it; both
 split batches by the tasks' weights; the weight-sync mode decides what producers
@@ -34,6 +35,22 @@ def agreed_settings(settings: Settings) -> dict[str, Any]:
     return flat
 
 
+def protocol_settings(settings: Settings) -> dict[str, Any]:
+    """What a trainer of another framework needs to follow the protocol beside the agreed
+    settings, published with them (``protocol``) as the run's values, not compared: when
+    an entry of a dead consumer may be taken over, after how many deliveries an entry is
+    dead-lettered, how long a liveness key lives and how often producers renew their
+    heartbeat, and how long a stopping process waits for the others."""
+    return {
+        "buffer.claim_idle_ms": settings.buffer.claim_idle_ms,
+        "buffer.max_attempts": settings.buffer.max_attempts,
+        "process.liveness_ttl_s": settings.process.liveness_ttl_s,
+        "process.stop_timeout_s": settings.process.stop_timeout_s,
+        "producer.heartbeat_s": settings.producer.heartbeat_s,
+        "rollout.stale_threshold": settings.rollout.stale_threshold,
+    }
+
+
 def _variable(name: str) -> str:
     if name.startswith("tasks"):
         return f"{ENV_PREFIX}TASKS"
@@ -46,7 +63,9 @@ def check_run_settings(client: redis.Redis, keys: Keys, settings: Settings, who:
     client.hsetnx(keys.state, FORMAT, FORMAT_VERSION)  # the run's stream format: its first writer's
     check_format(client.hget(keys.state, FORMAT), f"run {keys.run!r}")
     mine = agreed_settings(settings)
-    body = orjson.dumps({"by": who, "ts": time.time(), "settings": mine})
+    body = orjson.dumps(
+        {"by": who, "ts": time.time(), "settings": mine, "protocol": protocol_settings(settings)}
+    )
     if client.hsetnx(keys.state, RUN_SETTINGS, body):
         return True
     raw = client.hget(keys.state, RUN_SETTINGS)
