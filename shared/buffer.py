@@ -366,8 +366,7 @@ class ReplayBuffer:
                     eval_batch(claim.prompt)  # needed only to settle it: fail now, not after generating
             except (DecodeError, ReplayBufferError) as exc:
                 self.dead_letter(entry, str(exc))
-            except FormatError as exc:
-                self.release(out_entry.entry for out_entry in out)  # reclaimed once idle
+            except FormatError as exc:  # the claims decoded so far stay pending: taken back once idle
                 raise refused_format(exc, entry) from None
             else:
                 out.append(claim)
@@ -473,6 +472,9 @@ class ReplayBuffer:
             except DecodeError as exc:
                 self.dead_letter(entry, str(exc))
             except FormatError as exc:
+                # the others stay pending: a reader that goes on takes them back once idle;
+                # the refused one stays held, never re-read (nor dead-lettered) by this process
+                self.release(e for e in entries if e is not entry)
                 raise refused_format(exc, entry) from None
         return batch
 

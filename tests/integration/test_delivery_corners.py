@@ -15,10 +15,11 @@ import redis
 from rollstream.consumer.batches import BatchReader
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
+from rollstream.shared import codec
 from rollstream.shared.buffer import Batch, ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
-from rollstream.shared.errors import RedisOutOfMemory
+from rollstream.shared.errors import FormatError, RedisOutOfMemory
 from rollstream.shared.keys import GROUPS, PRODUCERS, TRAINER, Count, Keys, progress_field
 from rollstream.shared.settings import load_settings
 from rollstream.shared.streams import SETTLE_RESENDS
@@ -277,3 +278,23 @@ def test_a_lone_producer_process_completes_a_prompt_whose_settle_failed_once_onl
     [(_, group)] = client.xrange(keys.groups("math"))
     assert group[b"group_id"] == b"math:u0" and group[b"attempt"] == b"2"  # its second delivery
     client.close()
+
+
+def test_a_reader_that_goes_on_after_a_refused_format_gets_the_others_back(make) -> None:  # type: ignore[no-untyped-def]
+    producer = make("p1")
+    producer.ensure("math")
+    future = dict(codec.encode_group(group_for(prompts("math", 1, start=9)[0])))
+    future["format"] = "2.0"
+    bad = producer.client.xadd(producer.keys.groups("math"), future).decode()  # type: ignore[arg-type]
+    producer.feed(prompts("math", 1))
+    [claim] = producer.claim("math", limit=100)
+    producer.complete(claim, group_for(claim.prompt))
+    trainer = make("trainer")
+    with pytest.raises(FormatError, match=f"entry {bad}.*rollstream dead-letter groups:math {bad}"):
+        trainer.read_batch("math", 2)
+    # the good group read with it comes back once idle; the refused one is not read again
+    wait_idle(trainer.client, trainer.keys.groups("math"), TRAINER, IDLE_MS)
+    batch = wait_for(lambda: trainer.read_batch("math", 2).items)
+    assert [item.group.group_id for item in batch] == ["math:u0"]
+    assert trainer.reclaim(GROUPS, "math", 10, force=True) == []
+    assert trainer.client.xlen(trainer.keys.dead) == 0
