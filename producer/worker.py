@@ -39,7 +39,7 @@ from rollstream.producer.pool import BasePool
 from rollstream.producer.tokenizer import make_tokenizer
 from rollstream.shared.allocation import allocate_batch_sizes, over_sample_budget
 from rollstream.shared.buffer import Claim, ReplayBuffer, default_consumer_name
-from rollstream.shared.errors import RollstreamError, SettingsError
+from rollstream.shared.errors import CorruptValueError, RollstreamError, SettingsError
 from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import EVALS
 from rollstream.shared.liveness import Liveness
@@ -184,7 +184,13 @@ class Producer:
             while not stop.is_set():
                 _raise_if_failed(background)
                 if not self.paused and self._open.is_set() and self._admission_due():
-                    for claim in self.admit():
+                    # in a thread: a Redis riding out an outage holds the admission, not the loop
+                    # (the weight syncs, the proxy's HTTP server, the groups in flight go on)
+                    claims = await asyncio.to_thread(self.admit)
+                    if self.paused:  # the run paused meanwhile: claim nothing, hand them back
+                        await asyncio.to_thread(self._hand_back, claims)
+                        claims = []
+                    for claim in claims:
                         self.inflight[asyncio.create_task(self.runner.run(claim, self.model_step))] = claim
                     await self.abort_leftovers()
                     wait = ADMIT_POLL_S if self._at_bound else POLL_S
@@ -240,6 +246,10 @@ class Producer:
         self._at_bound = at_bound and not claims
         return claims
 
+    def _hand_back(self, claims: list[Claim]) -> None:
+        for claim in claims:
+            self.buffer.abort(claim, [])
+
     def _admission_due(self) -> bool:
         """Whether the loop looks at admission now: woken (a weight sync, a resume, a group
         of this producer settled), or its next look is due."""
@@ -276,8 +286,9 @@ class Producer:
         if self.settings.rollout.mode != "sync" or not self.runner.inflight:
             return
         evals = tuple(f"{c.group_id}#{c.entry.id}#" for c in self.inflight.values() if c.source == EVALS)
+        accepted = await asyncio.to_thread(lambda: {t: self.buffer.accepted(t) for t in self.batch})
         for task in self.batch:
-            if self.buffer.accepted(task) >= self._sync_target(task):
+            if accepted[task] >= self._sync_target(task):
                 ids = [
                     rid
                     for rid in self.runner.inflight
@@ -325,8 +336,13 @@ class Producer:
         for task in [t for t in self.inflight if t.done()]:
             claim = self.inflight.pop(task)
             self._next_admit = 0.0  # a settle frees room (and may move the bound): look now
+            failure = task.exception()
+            if isinstance(failure, CorruptValueError):
+                raise failure  # a counter every settle fails on: stop, naming it (once)
             if task.exception() is not None:
-                # unsettled: the claim stays pending and is reclaimed, counted as a delivery
+                # unsettled: the claim stays pending and is reclaimed (by this producer too,
+                # once idle: it no longer holds it), counted as a delivery
+                self.buffer.release([claim.entry])
                 log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
                 self._count(claim, "error")
             else:
@@ -383,10 +399,11 @@ class Producer:
             self.stats.weight_syncs += 1
             since = None
             if published:  # a stream id: milliseconds of Redis' clock, then a sequence
-                since = self.control.server_time() - int(published.partition("-")[0]) / 1000
+                now = await asyncio.to_thread(self.control.server_time)
+                since = now - int(published.partition("-")[0]) / 1000
             weight_synced(model_step, reload_s, since)
             # say so now, not at the next heartbeat: trainers wait on it (wait_for_producers)
-            self.control.heartbeat(self.name, self.model_step, len(self.inflight))
+            await asyncio.to_thread(self.control.heartbeat, self.name, self.model_step, len(self.inflight))
         finally:
             self._open.set()
             self._wake.set()  # the bound moved with the step: admit now, not at the next look
@@ -412,7 +429,9 @@ class Producer:
             "admission_waits": self.stats.admission_waits,
             "engine_busy": round(sum(busy) / len(busy), 3) if busy else "",
         }
-        self.buffer.client.xadd(self.buffer.keys.metrics, record, maxlen=METRICS_CAP, approximate=True)
+        await asyncio.to_thread(
+            self.buffer.client.xadd, self.buffer.keys.metrics, record, maxlen=METRICS_CAP, approximate=True
+        )
 
     # --- liveness ----------------------------------------------------------------------
 

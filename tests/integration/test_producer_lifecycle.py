@@ -211,20 +211,24 @@ def test_a_held_event_loop_does_not_stop_the_heartbeat_nor_the_claims_touch(
 
 
 class Counting(Connection):
-    """Counts the commands sent from one thread (the producer's event loop)."""
+    """Counts the commands a producer sends but those of its heartbeat thread and of its
+    event follower (XREAD): what its admission and settles send."""
 
-    thread = 0
     sent = 0
 
-    def pack_command(self, *args: Any) -> Any:
-        if threading.get_ident() == Counting.thread:
+    @staticmethod
+    def count(args: Any) -> None:
+        if not threading.current_thread().name.startswith("heartbeat-") and str(args[0]).upper() != "XREAD":
             Counting.sent += 1
+
+    def pack_command(self, *args: Any) -> Any:
+        self.count(args)
         return super().pack_command(*args)
 
     def pack_commands(self, commands: Any) -> Any:
         commands = list(commands)
-        if threading.get_ident() == Counting.thread:
-            Counting.sent += len(commands)
+        for args in commands:
+            self.count(args)
         return super().pack_commands(commands)
 
 
@@ -241,16 +245,47 @@ def test_admission_at_the_bound_waits_for_the_weight_sync_instead_of_polling_red
     client = redis.Redis.from_url(redis_server.url, connection_class=Counting)
     producer = Producer(settings, client, LocalPool.start(settings), "p1")
     producer.buffer.feed(prompts("math", 20))
-    running = run_producer(producer)
-    Counting.thread = running.loop_thread
+    run_producer(producer)
     # Given a producer at the admission bound of model step 0 (4 groups), nothing in flight
     wait_for(lambda: producer.stats.outcomes.get("completed") == 4 and not producer.inflight, timeout=30)
     wait_for(lambda: producer._at_bound, timeout=10)
-    # When it waits there for 2 s, its event loop sends next to no commands (before the
-    # fix: an admission every 50 ms, 7 or more commands each, several hundred in all)
+    # When it waits there for 2 s, it sends next to no commands (before the fix: an
+    # admission every 50 ms, several commands each, a hundred or more in all)
     before = Counting.sent
     assert throughout(2.0, lambda: None) > 0
     assert Counting.sent - before < 20
     # And a weight sync wakes it at once: step 1's 4 groups come
     producer.control.publish(WEIGHT_SYNC, 1)
     wait_for(lambda: producer.stats.outcomes.get("completed") == 8, timeout=15)
+
+
+@pytest.mark.timeout(90)
+def test_a_stalled_redis_holds_the_groups_but_not_the_event_loop(
+    redis_server: EmbeddedRedis, run_name: str, run_producer: Callable[[Producer], Running]
+) -> None:
+    # groups settle all the time: 16 in flight, each some 0.4 s, far from the bound
+    engines = {"sim": {"time_compression": 1.0, "median_tokens": 100, "sigma": 0.5}}
+    producer = make(redis_server, run_name, engines=engines, rollout={"batch_size": 1000})
+    producer.buffer.feed(prompts("math", 300))
+    running = run_producer(producer)
+    wait_for(lambda: producer.stats.outcomes.get("completed", 0) >= 3, timeout=30)
+    # When Redis stalls (every client's commands wait 2 s, as in an outage the retry rides out)
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("CLIENT", "PAUSE", 2000, "ALL")
+    try:
+        # Then the producer's event loop goes on all the while (before the fix its settles
+        # and admissions waited on Redis in the loop, and with them everything else)
+        assert running.loop is not None
+        loop = running.loop
+
+        def responsive() -> None:
+            started = time.monotonic()
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=10)
+            lag = time.monotonic() - started
+            assert lag < 0.3, f"the producer's event loop was held {lag:.2f} s"
+
+        assert throughout(1.5, responsive) > 5
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+    completed = producer.stats.outcomes.get("completed", 0)
+    wait_for(lambda: producer.stats.outcomes.get("completed", 0) > completed, timeout=30)
