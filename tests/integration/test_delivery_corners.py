@@ -298,3 +298,45 @@ def test_a_reader_that_goes_on_after_a_refused_format_gets_the_others_back(make)
     assert [item.group.group_id for item in batch] == ["math:u0"]
     assert trainer.reclaim(GROUPS, "math", 10, force=True) == []
     assert trainer.client.xlen(trainer.keys.dead) == 0
+
+
+def test_a_lone_producer_takes_back_a_claim_whose_group_crashed(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    """A group that fails with an unexpected error (no settle at all) leaves its claim
+    pending; the producer lets go of it and, alone, takes it back once idle."""
+    settings = load_settings(
+        run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 2}],
+        buffer={"claim_idle_ms": IDLE_MS, "max_attempts": 3},
+        engines={"count": 1, "sim": {"time_compression": 50.0, "median_tokens": 20, "sigma": 0.5}},
+        rollout={"mode": "async", "batch_size": 4, "max_staleness": 0},
+        producer={"max_tokens": 100, "is_valid": "keep_all", "heartbeat_s": 0.1, "max_inflight": 4},
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_server.url)
+    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer.buffer.feed(prompts("math", 1))
+    score = producer.runner.score
+    crashed: list[str] = []
+
+    async def crash_once(group: Any) -> None:
+        if not crashed:
+            crashed.append(group.group_id)
+            raise RuntimeError("a bug in a plug-in (test)")
+        await score(group)
+
+    producer.runner.score = crash_once  # type: ignore[method-assign]
+    keys = producer.buffer.keys
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        run = asyncio.create_task(producer.run(stop))
+        try:
+            await wait_for_async(lambda: client.xlen(keys.groups("math")) >= 1 or run.done(), timeout=30)
+        finally:
+            stop.set()
+            await run
+
+    asyncio.run(main())
+    assert crashed == ["math:u0"]
+    _settled_once(producer.buffer, "math")
+    client.close()
