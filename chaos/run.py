@@ -11,7 +11,8 @@ the feeder, 2 producers, the rq judge worker, and the reference trainer with
 ``--record``, which appends each step's groups before its commit and the commit after
 it. Faults: kill -9 of a producer, the trainer, the feeder, the judge worker, an engine
 actor; SIGSTOP of a producer past claim_idle_ms, then SIGCONT; kill -9 of redis-server,
-restarted from its append-only file.
+restarted from its append-only file; kill -9 of the trainer 4 times within one step
+(each time it has read its batch again), which must dead-letter no group.
 
 Every fed prompt ends up in exactly one row of the table: trained once, trained again
 after a step that was never committed, trained twice with both steps committed (a
@@ -44,7 +45,7 @@ import redis
 
 from rollstream.shared.embedded import find_redis_server, free_port
 from rollstream.shared.events import STOP, RunControl
-from rollstream.shared.keys import GROUPS, POOLS, Count, Keys, progress_field
+from rollstream.shared.keys import GROUPS, POOLS, TRAINER, Count, Keys, progress_field
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "math"
@@ -56,8 +57,13 @@ STEPS_BETWEEN_FAULTS = (2, 4)  # train steps from one fault to the next, at rand
 CLAIM_IDLE_MS = 3000
 FAULTS = (
     "kill_producer", "kill_trainer", "kill_feeder", "kill_judge", "kill_engine_actor",
-    "stop_producer", "kill_redis",
+    "stop_producer", "kill_redis", "kill_trainer_repeatedly",
 )  # fmt: skip
+# kill_trainer_repeatedly: kill -9 the trainer each time it has read its batch again, before
+# its commit, this many times within one step: more than buffer.max_attempts (3). A kill
+# from outside is not a poison group: the step is redone on the same groups, none
+# dead-lettered.
+TRAINER_KILLS = 4
 
 
 @dataclass
@@ -266,6 +272,8 @@ class Chaos:
             self._kill_redis()
         elif fault == "kill_engine_actor":
             self._kill_engine_actor()
+        elif fault == "kill_trainer_repeatedly":  # in the background: the supervisor restarts it
+            threading.Thread(target=self._kill_trainer_repeatedly, daemon=True).start()
         elif fault == "stop_producer":
             child = self.children[self.rng.choice(["producer-0", "producer-1"])]
             if child.alive and child.proc is not None:
@@ -281,6 +289,33 @@ class Chaos:
             if child.alive and child.proc is not None:
                 child.proc.kill()
                 self.note("kill -9", name)
+
+    def _kill_trainer_repeatedly(self) -> None:
+        """kill -9 of the trainer, TRAINER_KILLS times within one train step: each time its
+        batch's groups have been delivered to it again (read, not yet committed)."""
+        step = self._train_step()
+        stream = self.keys.groups(TASK)
+        seen: dict[Any, int] = {}
+        kills = 0
+        deadline = time.monotonic() + 120
+        while kills < TRAINER_KILLS and time.monotonic() < deadline and self._train_step() == step:
+            try:
+                pending = self.client().xpending_range(stream, TRAINER, "-", "+", 1000)
+            except redis.RedisError:
+                pending = []
+            delivered = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+            child = self.children["trainer"]
+            if delivered and any(n > seen.get(i, 0) for i, n in delivered.items()):
+                with self.lock:
+                    if child.alive and child.proc is not None:
+                        child.proc.kill()
+                        kills += 1
+                        seen = delivered
+                        self.note(
+                            "kill -9",
+                            f"trainer within one step ({kills} of {TRAINER_KILLS}, step {step + 1})",
+                        )
+            time.sleep(0.01)
 
     def _kill_redis(self) -> None:
         with self.lock:
@@ -400,10 +435,15 @@ def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
         if step - version - 1 >= THRESHOLD
     ]
     dead: dict[str, str] = {}
+    groups_dead_for_deliveries = 0  # trained groups given up for deliveries: trainer kills charged to them
     for _, fields in client.xrange(chaos.keys.dead):
         gid = _group_id(fields)
         if gid:
             dead[gid] = fields.get(b"reason", b"").decode("utf-8", "replace")
+            if fields.get(b"source") == chaos.keys.groups(TASK).encode() and dead[gid].startswith(
+                "delivered"
+            ):
+                groups_dead_for_deliveries += 1
     pending: dict[str, str] = {}
     for kind in (*POOLS, GROUPS):
         for _, fields in client.xrange(chaos.keys.stream(kind, TASK)):
@@ -439,6 +479,7 @@ def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
         "where": {k: dict(v) for k, v in where.items()},
         "lost": rows["lost"],
         "trained_twice_both_committed": rows["trained twice, both committed"],
+        "groups_dead_for_deliveries": groups_dead_for_deliveries,
         "staleness_violations": len(violations),
         "expired_per_completed": round(expired / completed, 4) if completed else 0.0,
         "faults": dict(faults),
@@ -526,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(chaos, out / "timeline.png")
     print(report(result))
     ok = result["finished"] and result["lost"] == 0 and result["trained_twice_both_committed"] == 0
+    ok = ok and result["groups_dead_for_deliveries"] == 0
     return 0 if ok and result["staleness_violations"] == 0 else 1
 
 

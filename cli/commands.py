@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -18,14 +19,15 @@ from tqdm import tqdm
 from rollstream.cli.process import Process, cold_stop, running, start_line, stop_on_signals, wait_until_gone
 from rollstream.producer.feeder import Cursor, Feeder
 from rollstream.producer.prompts import read_prompt_file
+from rollstream.shared import telemetry
 from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
 from rollstream.shared.connection import check_server, connect, wait_for_redis
-from rollstream.shared.errors import InputError, SettingsError
-from rollstream.shared.events import CONTROL_EVENTS, STOP, RunControl
-from rollstream.shared.keys import TRAIN_STEP, Keys, Role
+from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
+from rollstream.shared.events import CONTROL_EVENTS, STOP, WEIGHT_SYNC, RunControl
+from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, TRAIN_STEP, Keys, Role
 from rollstream.shared.liveness import Heartbeat
 from rollstream.shared.logs import Ticker, on_terminal
-from rollstream.shared.runconfig import check_run_settings
+from rollstream.shared.runconfig import check_run_settings, run_identity
 from rollstream.shared.settings import Settings, redact_url
 from rollstream.shared.status import RunStatus, run_status
 from rollstream.shared.waiting import NotYet, wait_until
@@ -47,6 +49,7 @@ def feed(
     client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
     if client is None:
         return 0
+    run_identity(client, Keys(settings.run), settings.redis.url)  # a run marked lost is not fed again
     check_run_settings(client, Keys(settings.run), settings, default_consumer_name("feed"))
     result = ReplayBuffer(client, settings, default_consumer_name("feed")).feed(prompts)
     print(f"{path}: {result.added} prompts added to task {task!r}, {result.existing} already there")
@@ -122,7 +125,13 @@ def format_status(status: RunStatus) -> str:
         lines.append(
             f"prompts of {task}: fed {a.fed} = trained {a.trained} + waiting {a.waiting} + in pools "
             f"{a.in_pools} + filtered {a.filtered} + dropped {a.dropped} + dead {a.dead} + lost {a.lost}"
+            + (f" - not fed {a.not_fed}" if a.not_fed else "")
         )
+        if a.not_fed:
+            lines.append(
+                f"  not fed {a.not_fed}: groups of {task} that no producer made from a fed prompt (written "
+                "by hand, or by a producer that does not count completed), in the figures above"
+            )
     if status.progress:
         lines.append("counts: " + ", ".join(f"{k}={v}" for k, v in status.progress.items()))
     lines.append(
@@ -181,11 +190,25 @@ def control(settings: Settings, action: str) -> int:
     return 0
 
 
-def steps(settings: Settings, *, train_step: int | None, yes: bool) -> int:
+def steps(settings: Settings, *, train_step: int | None, yes: bool, model_step: int | None = None) -> int:
     """Show the run's step counters and whether they leave it stuck; with ``train_step``
-    (and ``yes``) set the last committed train step, for an operator's repair."""
+    (and ``yes``) set the last committed train step, for an operator's repair; with
+    ``model_step`` (and ``yes``) publish a weight sync to that step even below the run's
+    (a rollback, or the repair of a corrupt model_step)."""
     client = connect(settings.redis)
     control = RunControl(client, Keys(settings.run))
+    if model_step is not None:
+        try:
+            shown: Any = control.model_step()
+        except CorruptValueError as exc:
+            shown = repr(exc.value)
+        if not yes:
+            print(f"would set model_step {shown} -> {model_step} and publish its weight sync: add --yes "
+                  "to do it (stop the trainer first)")  # fmt: skip
+            return 1
+        event = control.publish(WEIGHT_SYNC, model_step, rollback=True)
+        print(f"model_step set {shown} -> {model_step} (weight sync event {event})")
+        return 0
     model, train = control.model_step(), control.train_step()
     threshold = settings.rollout.stale_threshold
     # what a group made now (on model_step) would be at the trainer's next step
@@ -207,6 +230,33 @@ def steps(settings: Settings, *, train_step: int | None, yes: bool) -> int:
     return 0
 
 
+def dead_letter(settings: Settings, stream: str, entry_id: str, reason: str) -> int:
+    """Move one entry of the run (``stream``: KIND:TASK such as groups:math, a stream key,
+    or a task for its groups stream) to the dead letters with ``reason``: what an operator
+    does with an entry no reader of this version reads, or a group that crashes the
+    trainer. Counted in the task's dead (and groups_dead) like every dead letter."""
+    keys = Keys(settings.run)
+    kind, _, task = stream.partition(":")
+    if stream.startswith(f"{keys.base}:"):
+        kind, task = keys.parse_stream(stream) or ("", "")
+    elif not task:
+        kind, task = GROUPS, stream
+    if kind not in GROUP_OF_KIND or not task:
+        raise InputError(
+            f"dead-letter: {stream!r} names no stream of run {settings.run!r}: give KIND:TASK "
+            f"(KIND one of {', '.join(GROUP_OF_KIND)}), a stream key, or a task for its groups"
+        )
+    if not re.fullmatch(r"[0-9]{1,20}-[0-9]{1,20}", entry_id):
+        raise InputError(f"dead-letter: {entry_id!r} is not a stream entry id (like 1712345678901-0)")
+    if not reason.strip():
+        raise InputError("dead-letter: --reason must say why (it is stored with the dead letter)")
+    buffer = ReplayBuffer(connect(settings.redis), settings, default_consumer_name("operator"))
+    dead, owner, deliveries = buffer.dead_letter_by_hand(kind, task, entry_id, reason)
+    held = f"pending for {owner}, delivered {deliveries} times" if owner else "not pending"
+    print(f"{keys.stream(kind, task)} {entry_id} ({held}) moved to {keys.dead} as {dead}: by hand: {reason}")
+    return 0
+
+
 def redis_server(settings: Settings, config: str, data_dir: str) -> int:
     """Run redis-server in the foreground with ``config``, on the port of the run's Redis
     URL (and its password), keeping its append-only file in ``data_dir``. It replaces
@@ -225,6 +275,7 @@ def redis_server(settings: Settings, config: str, data_dir: str) -> int:
         raise InputError(f"{config}: no such file (run from the repository root, or give --config)")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     binary = find_redis_server()
+    _check_data_dir(binary, Path(data_dir))
     args = [binary, config, "--port", str(url.port or 6379), "--dir", str(Path(data_dir).resolve())]
     if url.password:
         args += ["--requirepass", url.password]
@@ -233,6 +284,21 @@ def redis_server(settings: Settings, config: str, data_dir: str) -> int:
     sys.stderr.flush()
     os.execv(binary, args)
     return 0  # not reached
+
+
+def _check_data_dir(binary: str, data_dir: Path) -> None:
+    """Refuse an append-only directory that ``binary`` cannot load: Redis 7 keeps its AOF
+    as appendonlydir/ (a manifest and parts), which Redis 6.2 does not read; it would
+    start empty and the run would look lost."""
+    from rollstream.shared.embedded import server_version
+
+    version = server_version(binary)
+    if (data_dir / "appendonlydir").is_dir() and version < (7,):
+        raise InputError(
+            f"{data_dir} holds a Redis 7 append-only directory (appendonlydir/) that {binary} "
+            f"(Redis {'.'.join(map(str, version))}) cannot load: it would start empty. Put a "
+            "redis-server >= 7 on PATH, or move the directory away to start the run afresh"
+        )
 
 
 def engines(
@@ -279,6 +345,9 @@ def engines(
         stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
         log.info("engines: Ray cluster at %s%s", gcs, "" if address else " (started by this process)")
         pool.append(EnginePool.start(settings, detached=not foreground))
+        unwatch = telemetry.register(
+            telemetry.EngineCollector(lambda: [] if stop.is_set() else pool[0].probe(timeout_s=1.0))
+        )
         process.control.set_ray_address(gcs)
         names = ", ".join(actor_name(settings.run, i) for i in range(settings.engines.count))
         log.info("%d %s engines ready: %s (namespace %s)", settings.engines.count, settings.engines.kind,
@@ -292,6 +361,7 @@ def engines(
             # through the engines: keep them until the producers are gone (bounded)
             wait_until_gone(process, (Role.PRODUCER,))
         finally:
+            unwatch()
             killed = EnginePool.stop(settings)
             with contextlib.suppress(redis.RedisError):
                 process.control.clear_ray_address(gcs)
@@ -461,13 +531,16 @@ def train(
     eval_file: str | None = None,
     eval_every: int = 10,
     eval_task: str | None = None,
+    state_file: str | None = None,
 ) -> int:
     """The reference trainer for ``steps`` steps, a log line per step (and a tqdm bar on
     a terminal); with ``hf_model`` a real policy-optimisation step (the loss the
     ``algorithm`` settings select) whose weights the hf engines load; with
     ``stop_run`` the run's stop event once the steps are done; with ``eval_file``
     its prompts evaluated every ``eval_every`` steps through the coordinator, sampled
-    as in training and greedily, a log line each."""
+    as in training and greedily, a log line each; with ``state_file`` the trainer's own
+    record of the run (its id and last committed step), checked at the start: a Redis
+    that lost the run is then named, never trained again from step 1."""
     from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 
     held_out = None
@@ -491,12 +564,18 @@ def train(
         )
     last: dict[str, Any] = {}
     rollout = settings.rollout
+    own = _read_trainer_record(state_file, settings.run) if state_file else None
+    known = (
+        (str(own["run_id"]), f"the trainer's record {state_file}: delete it to start afresh") if own else None
+    )
     with running(
-        settings, Role.TRAINER, stop, name=consumer, detail=lambda: dict(last),
+        settings, Role.TRAINER, stop, name=consumer, detail=lambda: dict(last), known_run=known,
         steps=steps, batch_size=rollout.batch_size, max_staleness=rollout.max_staleness,
     ) as process:  # fmt: skip
         if process is None:
             return 0
+        if own is not None:
+            _check_trainer_record(process, own, str(state_file))
         evaluator = None
         if held_out:
             from rollstream.consumer.coordinator import BatchCoordinator
@@ -512,6 +591,8 @@ def train(
         with tqdm(total=steps, unit="step", desc="train", disable=not on_terminal()) as bar:
 
             def on_step(entry: StepLog) -> None:
+                if state_file:
+                    _write_trainer_record(state_file, process, entry.step)
                 bar.update(1)
                 last.update(step=entry.step, groups=entry.groups)
                 reward = "-" if entry.reward_mean is None else f"{entry.reward_mean:.3f}"
@@ -535,6 +616,59 @@ def train(
             event = process.control.publish(STOP)
             log.info("trainer: published the run's stop event %s", event)
     return 0
+
+
+def _read_trainer_record(path: str, run: str) -> dict[str, Any] | None:
+    """The trainer's own record of ``run`` (None when it has none: a new run, or a file
+    of another run)."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the trainer's record: {exc}") from None
+    try:
+        record = orjson.loads(raw)
+        ok = isinstance(record, dict) and isinstance(record["run_id"], str) and int(record["train_step"]) >= 0
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise InputError(
+            f"{path}: not a trainer's record (JSON with run, run_id and train_step): {raw[:80]!r}; "
+            "delete it to start the run afresh"
+        )
+    return record if record.get("run") == run else None
+
+
+def _check_trainer_record(process: Process, own: dict[str, Any], path: str) -> None:
+    """A run id that matches, but a train_step in Redis behind the record's: Redis lost
+    its last writes (a crash within the append-only file's fsync second, or an older copy
+    of its data). Training again from there would train those steps twice."""
+    from rollstream.shared.errors import RunLost
+    from rollstream.shared.runconfig import committed_step
+
+    stored, recorded = committed_step(process.client, process.keys), int(own["train_step"])
+    if stored < recorded:
+        raise RunLost(
+            f"run {process.settings.run!r}: Redis at {redact_url(process.settings.redis.url)} holds "
+            f"train_step {stored}, but the trainer's record {path} says step {recorded} was committed: "
+            "Redis lost its latest writes (an older copy of its data?). Nothing was trained: restore "
+            f"Redis's data, or go on from there on purpose with `rollstream steps --train-step {recorded} "
+            "--yes` (the groups of the lost steps are gone)"
+        )
+
+
+def _write_trainer_record(path: str, process: Process, step: int) -> None:
+    """After each committed step: the run's id and the step, replaced atomically."""
+    record = {
+        "run": process.settings.run, "run_id": process.run_id, "train_step": step,
+        "redis": redact_url(process.settings.redis.url), "ts": time.time(),
+    }  # fmt: skip
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(target.name + ".tmp")
+    temporary.write_bytes(orjson.dumps(record) + b"\n")
+    os.replace(temporary, target)
 
 
 def _recorder(path: str) -> Any:

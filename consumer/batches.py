@@ -13,6 +13,8 @@ step; a trainer that dies before that gets the same groups again after a restart
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,11 +25,12 @@ from rollstream.shared.allocation import allocate_batch_sizes
 from rollstream.shared.buffer import Batch, BatchItem, ReplayBuffer
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
-from rollstream.shared.keys import TRAINER_CONSUMER
+from rollstream.shared.keys import GROUPS, TRAINER_CONSUMER
 from rollstream.shared.records import Group
 from rollstream.shared.settings import Settings
 
 POLL_MS = 100
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -69,6 +72,50 @@ class BatchReader:
         weights = {t.name: t.weight for t in settings.tasks}
         self.quota = allocate_batch_sizes(settings.rollout.batch_size, weights)
         self._carry: dict[str, list[BatchItem]] = {}
+        self._keeper: threading.Thread | None = None
+        self._keeper_lock = threading.Lock()
+        self._closed = threading.Event()
+
+    def keep_fresh(self) -> None:
+        """Keep the groups this reader holds (read, not yet committed, expired or
+        dead-lettered) from being reclaimed by another trainer-group consumer while a
+        batch fills or a train step runs longer than claim_idle_ms: a thread touches
+        them every claim_idle_ms / 3, as producers touch their claims (no command while
+        nothing is held). get_batch starts it; close() stops it."""
+        with self._keeper_lock:
+            if self._keeper is not None and self._keeper.is_alive():
+                return
+            self._closed.clear()
+            self._keeper = threading.Thread(
+                target=self._touch_held, name="rollstream-keep-fresh", daemon=True
+            )
+            self._keeper.start()
+
+    def _touch_held(self) -> None:
+        interval_s = self.settings.buffer.claim_idle_ms / 3000
+        while not self._closed.wait(interval_s):
+            held = self.buffer.held(GROUPS)
+            if not held:
+                continue
+            try:
+                lost = set(self.buffer.touch(held))
+                lost &= {e.id for e in self.buffer.held(GROUPS)}  # not those committed meanwhile
+            except redis.RedisError as exc:  # an outage past redis.outage_limit_s: try again
+                log.warning("could not refresh the %d groups this trainer holds: %s", len(held), exc)
+                continue
+            if lost:
+                log.warning(
+                    "%d groups read by %s were taken over by another trainer consumer: %s",
+                    len(lost), self.buffer.consumer, ", ".join(sorted(lost)[:8]),
+                )  # fmt: skip
+                self.buffer.release(e for e in held if e.id in lost)
+
+    def close(self) -> None:
+        """Stop refreshing the held groups (they become reclaimable after claim_idle_ms)."""
+        self._closed.set()
+        keeper = self._keeper
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout=5.0)
 
     def get_batch(
         self, train_step: int, timeout_s: float | None = None, min_wait_num: int | None = None
@@ -81,6 +128,7 @@ class BatchReader:
         deadline = None if timeout_s is None else started + timeout_s
         result = TrainBatch(train_step, {task: Batch(task) for task in self.quota}, _buffer=self.buffer)
         threshold = self.settings.rollout.stale_threshold
+        self.keep_fresh()
 
         def take(task: str, item: BatchItem) -> None:
             staleness = train_step - item.group.model_step - 1

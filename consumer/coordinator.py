@@ -17,6 +17,11 @@ it (finalize is idempotent). With a timeout, fewer than min_wait_num results
 raise BatchTimeout; at or above it, what finished is returned and the batch's
 unclaimed prompts are removed (in-flight ones are discarded when they land).
 
+A finished batch submitted again with the same kind and prompts is answered from its
+record (nothing fed; finalize returns the stored result); a finished id submitted with
+other prompts starts a new batch. The uids a batch fed are kept in its own fed sets
+while it runs (a feed sent again adds nothing) and deleted when it ends.
+
 The finalizer holds the batch under a lease (the hash's owner and lease_until,
 in Redis server time, so that machines need not agree on the clock) that it
 renews while it works. A finalizer that dies stops renewing it: once the lease
@@ -29,6 +34,8 @@ BatchTimeout when no result came in time, whoever is finalizing.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -137,23 +144,45 @@ class BatchCoordinator:
     def submit_batch(
         self, batch_id: str, prompts: list[Prompt], kind: str = "train", min_wait_num: int | None = None
     ) -> int:
-        """Feed the batch's prompts; an id still active is an error. Returns how many."""
+        """Feed the batch's prompts; returns how many. An id still active is an error.
+
+        A finished id submitted again with the same kind and prompts (a trainer restarted
+        in a step evaluates it again, say) is answered from its record: nothing is fed,
+        0 is returned and finalize returns the stored result. With other prompts the id
+        starts a new batch."""
         validate_name(batch_id, "batch id")
         if kind not in ("train", "eval"):
             raise ValueError(f"kind must be 'train' or 'eval', not {kind!r}")
+        seen: set[tuple[str, str]] = set()
+        for p in prompts:
+            if (p.task, p.uid) in seen:  # one result per uid: the batch would wait for ever
+                raise ValueError(f"batch {batch_id!r}: prompt {p.task}:{p.uid} is given twice")
+            seen.add((p.task, p.uid))
         key = self.keys.batch(batch_id)
+        signature = _signature(kind, prompts)
         if not self.client.hsetnx(key, "status", BatchStatus.PENDING.value):
             status = self._status(batch_id)
             if status in ACTIVE:
                 raise ReplayBufferError(f"batch {batch_id!r} is still {status}: finalize or abort it first")
-            self.client.delete(key, self.keys.eval(batch_id))
+            if status in _DONE and self.client.hget(key, "prompts") == signature.encode():
+                log.info("batch %r was %s already with these prompts: its record answers", batch_id, status)
+                return 0
+            self.client.delete(key, self.keys.eval(batch_id), *self._fed_sets(batch_id))
             self.client.hset(key, "status", BatchStatus.PENDING.value)
         tagged = [
             replace(p, uid=f"{batch_id}/{p.uid}", meta={**p.meta, BATCH_META: batch_id}) for p in prompts
         ]
         wait = len(tagged) if min_wait_num is None else min_wait_num
-        self.client.hset(key, mapping={"kind": kind, "total": len(tagged), "min_wait_num": wait})
-        self.buffer.feed(tagged, pool=EVALS if kind == "eval" else PROMPTS)
+        tasks = orjson.dumps(sorted({p.task for p in prompts}))
+        mapping = {
+            "kind": kind,
+            "total": len(tagged),
+            "min_wait_num": wait,
+            "prompts": signature,
+            "tasks": tasks,
+        }
+        self.client.hset(key, mapping=mapping)
+        self.buffer.feed(tagged, pool=EVALS if kind == "eval" else PROMPTS, batch=batch_id)
         self._transition(keys=[key], args=[BatchStatus.PENDING.value, BatchStatus.RUNNING.value])
         return len(tagged)
 
@@ -176,6 +205,7 @@ class BatchCoordinator:
         result = self._result(batch_id, groups if keep_partial_results else [], BatchStatus.ABORTED)
         result.update(reason=reason, removed_prompts=removed)
         self._store(batch_id, result)
+        self.client.delete(*self._fed_sets(batch_id))
         return result
 
     # --- the work ----------------------------------------------------------------------
@@ -247,6 +277,7 @@ class BatchCoordinator:
             )
             if not stored:  # ran out since the renewal, but the groups were handed to this caller
                 log.error("batch %r: %s lost its lease while storing the result", batch_id, owner)
+            self.client.delete(*self._fed_sets(batch_id))  # fed long since: they go with the batch
             return result
         except _LeaseLost:
             self._held.pop(batch_id, None)  # left pending: the new owner reclaims them
@@ -345,6 +376,15 @@ class BatchCoordinator:
             self.keys.batch(batch_id), mapping={"status": result["status"], "result": orjson.dumps(result)}
         )
 
+    def _fed_sets(self, batch_id: str) -> list[str]:
+        """The batch's fed sets: of the tasks its prompts had, and of the run's tasks."""
+        raw = self.client.hget(self.keys.batch(batch_id), "tasks")
+        tasks = {t.name for t in self.settings.tasks}
+        if raw is not None:
+            with contextlib.suppress(orjson.JSONDecodeError, TypeError):
+                tasks.update(str(t) for t in orjson.loads(raw))
+        return [self.keys.batch_fed(batch_id, t) for t in sorted(tasks)]
+
     def _status(self, batch_id: str) -> str | None:
         value = self.client.hget(self.keys.batch(batch_id), "status")
         return None if value is None else str(value.decode())
@@ -354,3 +394,9 @@ class BatchCoordinator:
         if value is None:
             raise ReplayBufferError(f"no batch {batch_id!r} was submitted")
         return str(value.decode())
+
+
+def _signature(kind: str, prompts: list[Prompt]) -> str:
+    """What a batch was submitted with, to tell a re-submit of it from a new use of its id."""
+    body = orjson.dumps([kind, sorted([p.task, p.uid] for p in prompts)])  # a uid names its prompt
+    return hashlib.sha256(body).hexdigest()

@@ -19,6 +19,7 @@ from rollstream.consumer.batches import BatchReader, TrainBatch
 from rollstream.consumer.evaluation import Evaluator
 from rollstream.consumer.pg import PolicyGradient
 from rollstream.consumer.weights import publish_weights
+from rollstream.shared import telemetry
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.keys import TRAINER_CONSUMER
 from rollstream.shared.settings import Settings
@@ -73,6 +74,14 @@ class ReferenceTrainer:
         on_step: Callable[[StepLog], None] | None = None,
         stop: threading.Event | None = None,
     ) -> TrainLog:
+        try:
+            return self._run(steps, on_step, stop)
+        finally:
+            self.reader.close()  # what stays uncommitted is reclaimable again
+
+    def _run(
+        self, steps: int, on_step: Callable[[StepLog], None] | None, stop: threading.Event | None
+    ) -> TrainLog:
         log = TrainLog()
         # train_step is the last committed step: a trainer stopped (or killed) before its
         # commit redoes that step number with the groups it had read, never skips it
@@ -96,6 +105,11 @@ class ReferenceTrainer:
                 uri = self.policy.save(step) if self.policy is not None else None
                 publish_weights(self.reader.control, step, uri)
             entry = self.log_step(step, batch, train_s)
+            figures = dict(self.policy.metrics) if self.policy is not None else {}
+            telemetry.train_step(
+                step, train_s, batch.wait_s, {task: len(b) for task, b in batch.batches.items()},
+                batch.staleness, batch.expired, {**figures, "reward_mean": entry.reward_mean},
+            )  # fmt: skip
             if synced and self.evaluator is not None and self.evaluator.due(step):
                 entry.eval = self.evaluator(step, self.reader.control)
             log.steps.append(entry)

@@ -19,6 +19,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis
@@ -34,6 +35,7 @@ from rollstream.shared.buffer import Claim, ReplayBuffer
 from rollstream.shared.keys import EVALS
 from rollstream.shared.records import Group, Prompt, Sample, Status
 from rollstream.shared.settings import ProducerSettings, Settings
+from rollstream.shared.telemetry import group_completed, group_generated, judge_failed, judged
 
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
 DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
@@ -56,15 +58,20 @@ class Window:
         self.rewards += len(scores)
 
 
+Pending = tuple[Claim, Group, "asyncio.Future[str | None]"]
+
+
 class Completions:
     """Completed groups written together: the groups that finish in one turn of the
     event loop share one fenced settle per pool (ReplayBuffer.complete_many) instead
     of a round trip each. Each caller still gets its own group's entry id, or None
-    when its claim was reclaimed by another producer."""
+    when its claim was reclaimed by another producer. The writes run in a thread, off
+    the event loop: a Redis riding out an outage holds the settles, not the producer."""
 
     def __init__(self, buffer: ReplayBuffer) -> None:
         self.buffer = buffer
-        self._pending: list[tuple[Claim, Group, asyncio.Future[str | None]]] = []
+        self._pending: list[Pending] = []
+        self._writing: set[asyncio.Task[None]] = set()
         self.flushes = 0
 
     async def complete(self, claim: Claim, group: Group) -> str | None:
@@ -78,28 +85,44 @@ class Completions:
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         self.flushes += 1
-        by_stream: dict[str, list[tuple[Claim, Group, asyncio.Future[str | None]]]] = {}
+        task = asyncio.ensure_future(self._write_off_loop(pending))
+        self._writing.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._writing.discard)
+
+    async def _write_off_loop(self, pending: list[Pending]) -> None:
+        try:
+            outcomes = await asyncio.to_thread(self._write, pending)
+        except asyncio.CancelledError:  # the loop goes away: what the thread writes still lands
+            for _, _, future in pending:
+                future.cancel()
+            raise
+        for items, outcome in outcomes:  # futures are the loop's: resolved here, not in the thread
+            self._resolve(items, outcome)
+
+    def _write(self, pending: list[Pending]) -> list[tuple[list[Pending], list[str | None] | Exception]]:
+        """The settles, in a thread: each pool's outcome, for the loop to resolve."""
+        by_stream: dict[str, list[Pending]] = {}
         for item in pending:
             by_stream.setdefault(item[0].entry.stream, []).append(item)
+        outcomes: list[tuple[list[Pending], list[str | None] | Exception]] = []
         for items in by_stream.values():  # one settle each: all of it lands or none
             try:
-                self._resolve(items, self.buffer.complete_many([(c, g) for c, g, _ in items]))
+                outcomes.append((items, self.buffer.complete_many([(c, g) for c, g, _ in items])))
                 continue
             except Exception as exc:
                 # Redis itself failing fails them all; anything else, try one by one
                 if len(items) == 1 or isinstance(exc, redis.ConnectionError | redis.TimeoutError):
-                    self._resolve(items, exc)
+                    outcomes.append((items, exc))
                     continue
             for item in items:  # one by one, so that one group's error is that group's alone
                 try:
-                    self._resolve([item], self.buffer.complete_many([item[:2]]))
+                    outcomes.append(([item], self.buffer.complete_many([item[:2]])))
                 except Exception as exc:
-                    self._resolve([item], exc)
+                    outcomes.append(([item], exc))
+        return outcomes
 
     @staticmethod
-    def _resolve(
-        items: list[tuple[Claim, Group, asyncio.Future[str | None]]], outcome: list[str | None] | Exception
-    ) -> None:
+    def _resolve(items: list[Pending], outcome: list[str | None] | Exception) -> None:
         for i, (_, _, future) in enumerate(items):
             if future.done():  # a cancelled waiter: its group was written all the same
                 continue
@@ -138,31 +161,41 @@ class GroupRunner:
         self.inflight: set[str] = set()  # request ids, for aborts
         self.rollouts: set[Rollout] = set()  # the attempts generating now
         self.completions = Completions(buffer)
+        # an in-process judge runs here, one group at a time as it did inline, never on the
+        # event loop: a slow one would freeze the producer (its weight syncs, the proxy's
+        # HTTP server, every other group)
+        self._judging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge")
         self.retries = 0
         self.window = Window()  # what completed groups brought since the last metrics record
 
-    async def run(self, claim: Claim) -> str:
-        """claim -> generate -> judge -> filter -> complete."""
+    async def run(self, claim: Claim, start_step: int | None = None) -> str:
+        """claim -> generate -> judge -> filter -> complete. ``start_step``: the model step
+        the engines hold as it starts, the group's step when every response is empty."""
         started = time.monotonic()
         try:
             samples = await self.generate(claim)
             generated = time.monotonic()
+            group_generated(claim.task, generated - started)
         except asyncio.CancelledError:
             self.buffer.abort(claim, [])  # the producer stops: the claim goes back now
             raise
         except GroupFailed as exc:
-            self.buffer.dead_letter(claim.entry, f"generation failed: {exc}")
+            await asyncio.to_thread(self.buffer.dead_letter, claim.entry, f"generation failed: {exc}")
             return FAILED
+        # the settles below run off the event loop (a Redis riding out an outage holds this
+        # group, not the producer); those of a stop, in the CancelledError paths, stay on it
         if any(s.status is Status.ABORTED for s in samples):
             keep = samples if self.settings.rollout.on_weight_sync == "partial" else []
-            return ABORTED if self.buffer.abort(claim, keep) is not None else FENCED
+            return ABORTED if await asyncio.to_thread(self.buffer.abort, claim, keep) is not None else FENCED
         group = Group.for_prompt(
-            claim.prompt, samples=samples, attempt=claim.entry.deliveries, producer=self.buffer.consumer
-        )
+            claim.prompt, samples=samples, attempt=claim.entry.deliveries, producer=self.buffer.consumer,
+            start_step=start_step,
+        )  # fmt: skip
         try:
             await self.score(group)
         except JudgeError as exc:
-            self.buffer.dead_letter(claim.entry, f"judge failed: {exc}")
+            judge_failed(claim.task)
+            await asyncio.to_thread(self.buffer.dead_letter, claim.entry, f"judge failed: {exc}")
             return FAILED
         except asyncio.CancelledError:
             # the producer stops: hand the claim back now (with the generated samples, in
@@ -171,12 +204,14 @@ class GroupRunner:
             self.buffer.abort(claim, keep)
             raise
         group.timings.update(generate_s=generated - started, judge_s=time.monotonic() - generated)
+        judged(claim.task, group.timings["judge_s"])
         if claim.source != EVALS and not self.is_valid(group):  # eval results are all kept
-            return FILTERED if self.buffer.drop(claim) else FENCED
+            return FILTERED if await asyncio.to_thread(self.buffer.drop, claim, group) else FENCED
         self.recent_s.append(time.monotonic() - started)
         if await self.completions.complete(claim, group) is None:
             return FENCED
         self.window.add(group)
+        group_completed(claim.task, group.response_tokens)
         return COMPLETED
 
     # --- generate ----------------------------------------------------------------------
@@ -295,9 +330,10 @@ class GroupRunner:
 
     async def score(self, group: Group) -> None:
         if self.rq_judge is None:
-            rewards = self.judge(group.prompt, group.samples)
+            loop = asyncio.get_running_loop()
+            rewards = await loop.run_in_executor(self._judging, self.judge, group.prompt, group.samples)
         else:
-            job = self.rq_judge.submit(group.prompt, group.samples)
+            job = await asyncio.to_thread(self.rq_judge.submit, group.prompt, group.samples)
             # rq retries a failed or killed job itself: wait for every try
             tries = self.settings.buffer.max_attempts
             wait_s = tries * (self.settings.producer.judge_timeout_s + 5)

@@ -59,15 +59,18 @@ class EngineHost:
         async with self._sync:
             if model_step <= self.model_step:
                 return self.model_step
-            if mode == "drain":
-                self._open.clear()
-                await self._idle.wait()
-            elif mode == "abort":
-                await self.engine.abort(None)
-            paused = mode == "partial"
-            if paused:
-                await self.engine.pause()
+            paused = False
             try:
+                # inside the try: a drain cancelled while it waits (the pool's sync timeout)
+                # must open the engine again, or every later request waits for ever
+                if mode == "drain":
+                    self._open.clear()
+                    await self._idle.wait()
+                elif mode == "abort":
+                    await self.engine.abort(None)
+                if mode == "partial":
+                    await self.engine.pause()
+                    paused = True
                 await self.engine.update_weights(model_step, path)
                 self.model_step = model_step
             finally:

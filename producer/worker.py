@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -38,13 +39,20 @@ from rollstream.producer.pool import BasePool
 from rollstream.producer.tokenizer import make_tokenizer
 from rollstream.shared.allocation import allocate_batch_sizes, over_sample_budget
 from rollstream.shared.buffer import Claim, ReplayBuffer, default_consumer_name
-from rollstream.shared.errors import RollstreamError, SettingsError
+from rollstream.shared.errors import CorruptValueError, RollstreamError, SettingsError
 from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import EVALS
 from rollstream.shared.liveness import Liveness
 from rollstream.shared.settings import Settings
+from rollstream.shared.streams import Entry
+from rollstream.shared.telemetry import admission_wait, group_finished, track_inflight, weight_synced
 
 POLL_S = 0.05
+# At the admission bound only a weight sync (the events task wakes the loop), a group of this
+# producer settling (it wakes the loop too) or another process's settle or expiry can make
+# room: the loop looks again on those, else at this pace, not every POLL_S.
+ADMIT_POLL_S = 1.0
+BEAT_JOIN_S = 5.0  # at a stop, how long a beat under way may take before the stop goes on
 SETTLE_S = 2.0  # at a stop, how long aborted groups get to settle before they are cancelled
 METRICS_CAP = 100_000
 ENGINE_CHECK_EVERY = 5  # heartbeats between checks that every engine is on the model step
@@ -134,6 +142,11 @@ class Producer:
         self.paused = False  # the run is paused: claim nothing until it resumes
         self.run_stopped = False  # the run's stop event ended run()
         self.liveness = liveness
+        self._wake = asyncio.Event()  # something moved the admission bound: look again now
+        self._next_admit = 0.0  # the loop's time of the next look at admission without a wake-up
+        self._at_bound = False  # the last admission found every task at its bound
+        self._beats_stop = threading.Event()
+        self._beats: threading.Thread | None = None
         self._tail: dict[str, bool] = {t.name: False for t in settings.tasks}
 
     async def run(
@@ -157,6 +170,7 @@ class Producer:
         if agent_startup is not None:
             await agent_startup()
         self._open.set()
+        track_inflight(lambda: len(self.inflight), lambda: self.pool.outstanding)
         log.info(
             "producer %s joins run %r at model step %d%s",
             self.name, self.settings.run, self.model_step, " (paused)" if self.paused else "",
@@ -169,16 +183,25 @@ class Producer:
         try:
             while not stop.is_set():
                 _raise_if_failed(background)
-                if not self.paused and self._open.is_set():
-                    for claim in self.admit():
-                        self.inflight[asyncio.create_task(self.runner.run(claim))] = claim
+                if not self.paused and self._open.is_set() and self._admission_due():
+                    # in a thread: a Redis riding out an outage holds the admission, not the loop
+                    # (the weight syncs, the proxy's HTTP server, the groups in flight go on)
+                    claims = await asyncio.to_thread(self.admit)
+                    if self.paused:  # the run paused meanwhile: claim nothing, hand them back
+                        await asyncio.to_thread(self._hand_back, claims)
+                        claims = []
+                    for claim in claims:
+                        self.inflight[asyncio.create_task(self.runner.run(claim, self.model_step))] = claim
                     await self.abort_leftovers()
+                    wait = ADMIT_POLL_S if self._at_bound else POLL_S
+                    self._next_admit = asyncio.get_running_loop().time() + wait
                 if burst and not self.inflight and (self.paused or self.no_work_left() or self.blocked()):
                     break
                 await self._settled(stop)
         finally:
             for task in background:
                 task.cancel()
+            await self._stop_beats()
             await self._shutdown(self.settings.process.stop_timeout_s / 2)
             if agent_shutdown is not None:
                 await agent_shutdown()
@@ -197,8 +220,11 @@ class Producer:
         return (self.model_step + ahead) * batch + budget
 
     def admit(self) -> list[Claim]:
+        """Claim what the admission bound lets in. Sets ``_at_bound`` when nothing came
+        because every task is at its bound (or has its sync batch), not for want of work."""
         room = self.settings.producer.max_inflight - len(self.inflight)
         claims: list[Claim] = []
+        at_bound = room > 0
         for task in self.batch:
             if room - len(claims) <= 0:
                 break
@@ -212,9 +238,25 @@ class Producer:
             )
             if not got and self.buffer.unclaimed(task) > 0:
                 self.stats.admission_waits += 1
+                admission_wait(task)
+            else:
+                at_bound = False  # work came, or none waits: new prompts are looked for at POLL_S
             claims += got
         self.stats.claims += len(claims)
+        self._at_bound = at_bound and not claims
         return claims
+
+    def _hand_back(self, claims: list[Claim]) -> None:
+        for claim in claims:
+            self.buffer.abort(claim, [])
+
+    def _admission_due(self) -> bool:
+        """Whether the loop looks at admission now: woken (a weight sync, a resume, a group
+        of this producer settled), or its next look is due."""
+        if self._wake.is_set() or asyncio.get_running_loop().time() >= self._next_admit:
+            self._wake.clear()
+            return True
+        return False
 
     def should_continue(self, task: str) -> bool:
         """sync mode asks the should_continue plug-in (default: accepted < the batch's
@@ -244,8 +286,9 @@ class Producer:
         if self.settings.rollout.mode != "sync" or not self.runner.inflight:
             return
         evals = tuple(f"{c.group_id}#{c.entry.id}#" for c in self.inflight.values() if c.source == EVALS)
+        accepted = await asyncio.to_thread(lambda: {t: self.buffer.accepted(t) for t in self.batch})
         for task in self.batch:
-            if self.buffer.accepted(task) >= self._sync_target(task):
+            if accepted[task] >= self._sync_target(task):
                 ids = [
                     rid
                     for rid in self.runner.inflight
@@ -272,22 +315,38 @@ class Producer:
             for t in self.batch
         )
 
+    def _count(self, claim: Claim, outcome: str) -> None:
+        self.stats.count(outcome)
+        group_finished(claim.task, outcome, self.settings.task(claim.task).n)
+
     async def _settled(self, stop: asyncio.Event) -> None:
-        """Wait for a group to finish, or a moment for new work or room."""
-        if self.inflight:
-            done, _ = await asyncio.wait(self.inflight, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                claim = self.inflight.pop(task)
-                if task.exception() is not None:
-                    # unsettled: the claim stays pending and is reclaimed, counted as a delivery
-                    log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
-                    self.stats.count("error")
-                else:
-                    self.stats.count(task.result())
-        else:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_S):  # not wait_for: on 3.11 it can swallow a cancellation
-                    await stop.wait()
+        """Wait for a group to finish, a wake-up (weight sync, resume), the stop, or the
+        next look at admission: POLL_S for new work, ADMIT_POLL_S at the bound."""
+        loop = asyncio.get_running_loop()
+        timeout = max(POLL_S, self._next_admit - loop.time())
+        woken = asyncio.ensure_future(self._wake.wait())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait(
+                {*self.inflight, woken, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            woken.cancel()
+            stopped.cancel()
+        for task in [t for t in self.inflight if t.done()]:
+            claim = self.inflight.pop(task)
+            self._next_admit = 0.0  # a settle frees room (and may move the bound): look now
+            failure = task.exception()
+            if isinstance(failure, CorruptValueError):
+                raise failure  # a counter every settle fails on: stop, naming it (once)
+            if task.exception() is not None:
+                # unsettled: the claim stays pending and is reclaimed (by this producer too,
+                # once idle: it no longer holds it), counted as a delivery
+                self.buffer.release([claim.entry])
+                log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
+                self._count(claim, "error")
+            else:
+                self._count(claim, task.result())
 
     # --- weight sync -------------------------------------------------------------------
 
@@ -298,11 +357,12 @@ class Producer:
             for event in events:
                 after = event.id
                 if event.type == WEIGHT_SYNC and event.model_step > self.model_step:
-                    await self.sync_weights(event.model_step, event.uri or None)
+                    await self.sync_weights(event.model_step, event.uri or None, published=event.id)
                 elif event.type == PAUSE and not self.paused:
                     await self.pause()
                 elif event.type == RESUME and self.paused:
                     self.paused = False
+                    self._wake.set()
                     log.info("run resumed: producer %s claims again", self.name)
                 elif event.type == STOP:
                     self.run_stopped = True
@@ -319,13 +379,17 @@ class Producer:
         log.info("run paused: producer %s claims nothing (%d groups in flight, %s)",
                  self.name, len(self.inflight), mode)  # fmt: skip
 
-    async def sync_weights(self, model_step: int, uri: str | None) -> None:
-        """Stop claiming, move the engines to ``model_step`` the configured way, go on."""
+    async def sync_weights(self, model_step: int, uri: str | None, published: str | None = None) -> None:
+        """Stop claiming, move the engines to ``model_step`` the configured way, go on.
+        ``published``: the id of the sync's event, whose time (Redis' clock) the sync's
+        latency is measured from."""
         self._open.clear()
         try:
+            started = time.monotonic()
             stuck = await self.pool.sync_weights(
                 model_step, uri, self.settings.rollout.on_weight_sync, self.settings.producer.sync_timeout_s
             )
+            reload_s = time.monotonic() - started
             if stuck:
                 # engines that never confirmed: cancel what this producer has on them, so
                 # those groups come back aborted and are produced again on another engine
@@ -333,10 +397,16 @@ class Producer:
             await self.record_metrics()
             self.model_step = model_step
             self.stats.weight_syncs += 1
+            since = None
+            if published:  # a stream id: milliseconds of Redis' clock, then a sequence
+                now = await asyncio.to_thread(self.control.server_time)
+                since = now - int(published.partition("-")[0]) / 1000
+            weight_synced(model_step, reload_s, since)
             # say so now, not at the next heartbeat: trainers wait on it (wait_for_producers)
-            self.control.heartbeat(self.name, self.model_step, len(self.inflight))
+            await asyncio.to_thread(self.control.heartbeat, self.name, self.model_step, len(self.inflight))
         finally:
             self._open.set()
+            self._wake.set()  # the bound moved with the step: admit now, not at the next look
 
     async def record_metrics(self) -> None:
         """One record per model step in the run's metrics stream (capped)."""
@@ -359,27 +429,73 @@ class Producer:
             "admission_waits": self.stats.admission_waits,
             "engine_busy": round(sum(busy) / len(busy), 3) if busy else "",
         }
-        self.buffer.client.xadd(self.buffer.keys.metrics, record, maxlen=METRICS_CAP, approximate=True)
+        await asyncio.to_thread(
+            self.buffer.client.xadd, self.buffer.keys.metrics, record, maxlen=METRICS_CAP, approximate=True
+        )
 
     # --- liveness ----------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
         """Tell the run who is alive and on which step; keep held claims from being
-        reclaimed while their groups take long."""
-        beats = 0
+        reclaimed while their groups take long. The beats come from a thread of their own,
+        so that nothing that holds this event loop (a slow judge, a Redis call riding out an
+        outage) lets the producer's heartbeat expire or its claims be taken over by another
+        producer. This task fails when a beat does, and every few beats brings back an
+        engine that Ray restarted at step 0 (a no-op for engines already on the step)."""
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future[None] = loop.create_future()
+
+        def fail(exc: BaseException) -> None:
+            if not failed.done():
+                failed.set_exception(exc)
+
+        def beat_forever() -> None:
+            try:
+                while True:
+                    self._beat()
+                    if self._beats_stop.wait(self.settings.producer.heartbeat_s):
+                        return
+            except BaseException as exc:  # the producer stops rather than go on without liveness
+                with contextlib.suppress(RuntimeError):  # the loop is gone already
+                    loop.call_soon_threadsafe(fail, exc)
+
+        self._beats_stop.clear()
+        self._beats = threading.Thread(target=beat_forever, name=f"heartbeat-{self.name}", daemon=True)
+        self._beats.start()
+        try:
+            while True:
+                await asyncio.wait([failed], timeout=self.settings.producer.heartbeat_s * ENGINE_CHECK_EVERY)
+                if failed.done():
+                    failed.result()
+                if self._open.is_set():
+                    await self.pool.sync_weights(self.model_step, mode=self.settings.rollout.on_weight_sync)
+        finally:
+            self._beats_stop.set()
+
+    def _beat(self) -> None:
+        """One beat, in the heartbeat thread: the state hash's heartbeat, the liveness key,
+        the idle time of the claims held."""
+        inflight = len(self.inflight)
+        self.control.heartbeat(self.name, self.model_step, inflight)
+        if self.liveness is not None:
+            self.liveness.beat(model_step=self.model_step, inflight=inflight, paused=self.paused)
+        self.buffer.touch(self._held())
+
+    def _held(self) -> list[Entry]:
+        """The entries of the claims in flight, read from the heartbeat thread while the
+        event loop may add or remove one."""
         while True:
-            self.control.heartbeat(self.name, self.model_step, len(self.inflight))
-            if self.liveness is not None:
-                self.liveness.beat(
-                    model_step=self.model_step, inflight=len(self.inflight), paused=self.paused
-                )
-            self.buffer.touch(c.entry for c in self.inflight.values())
-            beats += 1
-            if beats % ENGINE_CHECK_EVERY == 0 and self._open.is_set():
-                # an engine actor that Ray restarted starts from step 0: bring it back (a
-                # no-op for engines already on the step)
-                await self.pool.sync_weights(self.model_step, mode=self.settings.rollout.on_weight_sync)
-            await asyncio.sleep(self.settings.producer.heartbeat_s)
+            try:
+                return [claim.entry for claim in list(self.inflight.values())]
+            except RuntimeError:  # the dict changed size while it was copied: again
+                continue
+
+    async def _stop_beats(self) -> None:
+        """Stop the heartbeat thread and wait (bounded) for a beat under way, so that no
+        beat lands after the stop has removed this producer's heartbeat."""
+        self._beats_stop.set()
+        if self._beats is not None and self._beats.is_alive():
+            await asyncio.to_thread(self._beats.join, BEAT_JOIN_S)
 
     async def _report(self) -> None:
         """A progress line every process.progress_s: claims and groups per second, in
@@ -429,7 +545,7 @@ class Producer:
             await asyncio.gather(*still, return_exceptions=True)
         for task, claim in list(self.inflight.items()):
             if not task.cancelled() and task.exception() is None:
-                self.stats.count(task.result())
+                self._count(claim, task.result())
             elif not task.cancelled():
                 log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
             self.inflight.pop(task)

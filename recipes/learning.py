@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 PROMPTS_PER_STEP = 8
 TARGET = 0.9  # the mean reward the recipes are compared at
 WINDOW = 10  # steps of the trailing mean that must reach it
+ACCURACY_TARGET = 0.9  # the held-out greedy accuracy the demo stops at
+CLOSE_EVAL_EVERY = 5  # eval cadence once the training reward has reached TARGET
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,9 +226,11 @@ def run_learning(
     run: str | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     lr: float = reverse.LR,
+    stop_at_accuracy: float | None = None,
 ) -> LearnResult:
     """One run of ``recipe``: up to ``steps`` train steps (fewer once the trailing mean
-    reward reaches ``stop_at``), an eval every ``eval_every`` steps (0: none)."""
+    reward reaches ``stop_at``, or an eval's greedy accuracy on the held-out prompts
+    reaches ``stop_at_accuracy``), an eval every ``eval_every`` steps (0: none)."""
     import torch
 
     from rollstream.consumer.pg import PolicyGradient
@@ -257,10 +261,36 @@ def run_learning(
     result = LearnResult(recipe.name, seed, settings, prompts_fed=fed)
     try:
         result.setup_s = time.monotonic() - started
-        asyncio.run(_train(pool, trainer, steps, producers, result, stop_at, on_step))
+        asyncio.run(_train(pool, trainer, steps, producers, result, on_step, stop_at, stop_at_accuracy))
     finally:
         EnginePool.stop(settings)
     return result
+
+
+def should_stop(
+    result: LearnResult, evaluator: Evaluator | None, stop_at: float | None, stop_at_accuracy: float | None
+) -> bool:
+    """After each step: whether the run has reached what it stops at. ``stop_at``: the
+    trailing mean training reward. ``stop_at_accuracy``: the greedy accuracy of the last
+    eval on the held-out prompts, which tells a model that has learned the task from one
+    that earns its reward on the training prompts' easy cases; once the training reward
+    has reached TARGET the evals come every CLOSE_EVAL_EVERY steps, so the run stops soon
+    after the accuracy gets there."""
+    if stop_at is not None and result.steps_to(stop_at) is not None:
+        return True
+    if stop_at_accuracy is None or not result.steps:
+        return False
+    accuracy = result.steps[-1].eval_accuracy
+    if accuracy is not None and accuracy >= stop_at_accuracy:
+        return True
+    if evaluator is not None and result.steps_to(TARGET) is not None:
+        evaluator.every = min(evaluator.every, CLOSE_EVAL_EVERY)
+    return False
+
+
+def steps_to_accuracy(result: LearnResult, target: float = ACCURACY_TARGET) -> int | None:
+    """The first step whose eval's greedy accuracy on the held-out prompts reached ``target``."""
+    return next((s.step for s in result.evals if (s.eval_accuracy or 0.0) >= target), None)
 
 
 async def _train(
@@ -269,8 +299,9 @@ async def _train(
     steps: int,
     producers: int,
     result: LearnResult,
-    stop_at: float | None,
     on_step: Callable[[StepRecord], None] | None,
+    stop_at: float | None,
+    stop_at_accuracy: float | None,
 ) -> None:
     """Producers on this event loop, the trainer in a thread; then, when the last step
     had no eval, one on its weights (while the producers still serve)."""
@@ -295,7 +326,7 @@ async def _train(
         result.steps.append(step)
         if on_step is not None:
             on_step(step)
-        if stop_at is not None and result.steps_to(stop_at) is not None:
+        if should_stop(result, trainer.evaluator, stop_at, stop_at_accuracy):
             stop_training.set()
 
     training = asyncio.create_task(asyncio.to_thread(trainer.run, steps, record, stop_training))

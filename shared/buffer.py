@@ -15,8 +15,10 @@ more; nothing here trims a stream.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from typing import Any
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.errors import DecodeError, FeederError, ReplayBufferError
+from rollstream.shared.errors import DecodeError, FeederError, FormatError, ReplayBufferError
 from rollstream.shared.keys import (
     ABORTED,
     EVALS,
@@ -48,6 +50,7 @@ from rollstream.shared.settings import Settings
 from rollstream.shared.streams import ConsumerStreams, Entry, Settle, pairs, stored_int, text
 
 FEED_CHUNK = 500
+log = logging.getLogger(__name__)
 RECOVERED = "done"
 
 
@@ -61,6 +64,18 @@ def eval_batch(prompt: Prompt) -> str:
     if not isinstance(batch, str):
         raise ReplayBufferError(f"eval prompt {prompt.uid!r} names no batch in meta[{BATCH_META!r}]")
     return batch
+
+
+def refused_format(exc: FormatError, entry: Entry) -> FormatError:
+    """The error that stops a reader at an entry of a stream-format major it does not
+    read: it names the entry and the operator's two ways on. The entry is not
+    dead-lettered (the data is fine, the reader is the wrong one): it stays pending
+    under this consumer, and a restart of the same reader stops on it again."""
+    kind = entry.kind + ":" + entry.task
+    return FormatError(
+        f"{entry.stream} entry {entry.id}: {exc}; it stays pending for this consumer. To go on "
+        f"without it: rollstream dead-letter {kind} {entry.id} --reason 'format not read'"
+    )
 
 
 def default_consumer_name(role: str) -> str:
@@ -136,6 +151,12 @@ class ReplayBuffer:
         self.streams = ConsumerStreams(client, self.keys, self.consumer)
         self._recover_from: dict[str, str] = {}  # task -> last own pending id re-read
         self._last_reclaim: dict[str, float] = {}
+        # What this process holds: entries it handed out (claims, batch items) and has not
+        # settled yet, by stream and id. An entry pending under this consumer name that is
+        # not here (a settle that failed, a reply lost and the command sent again) is taken
+        # back by reclaim once idle claim_idle_ms, like a dead consumer's.
+        self._held: dict[str, dict[str, Entry]] = {}
+        self._held_lock = threading.Lock()
 
     # --- streams and groups ----------------------------------------------------------
 
@@ -151,13 +172,46 @@ class ReplayBuffer:
         counter: Count,
         more: dict[str, float] | None = None,
     ) -> str | None:
-        return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more)
+        try:
+            return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more)
+        finally:  # settled, not ours any more, or failed: then reclaim takes it back
+            self.release([entry])
+
+    # --- what this process holds -----------------------------------------------------
+
+    def hold(self, entries: Iterable[Entry]) -> None:
+        """Record entries as held by this process (what claim and read_batch hand out):
+        reclaim never takes them back from it."""
+        with self._held_lock:
+            for entry in entries:
+                self._held.setdefault(entry.stream, {})[entry.id] = entry
+
+    def release(self, entries: Iterable[Entry]) -> None:
+        """Forget entries this process no longer holds (settled, or given up without a
+        settle): one still pending under this consumer is taken back by :meth:`reclaim`
+        once idle claim_idle_ms."""
+        with self._held_lock:
+            for entry in entries:
+                ids = self._held.get(entry.stream)
+                if ids is not None:
+                    ids.pop(entry.id, None)
+
+    def held(self, kind: str | None = None) -> list[Entry]:
+        """The entries this process holds (of one stream kind), for :meth:`touch`."""
+        with self._held_lock:
+            return [e for ids in self._held.values() for e in ids.values() if kind is None or e.kind == kind]
+
+    def _held_ids(self, stream: str) -> list[str]:
+        with self._held_lock:
+            return list(self._held.get(stream, ()))
 
     # --- feeding ---------------------------------------------------------------------
 
-    def feed(self, prompts: Iterable[Prompt], pool: str = PROMPTS) -> FeedResult:
+    def feed(self, prompts: Iterable[Prompt], pool: str = PROMPTS, batch: str | None = None) -> FeedResult:
         """Append prompts to their tasks' ``pool`` (fresh prompts, or eval prompts with
-        "evals"); a uid already fed is not stored again."""
+        "evals"); a uid already fed is not stored again. The prompts of a coordinator
+        ``batch`` are remembered in the batch's own fed sets (Keys.batch_fed), which go
+        with the batch, not in the run's, which never shrink."""
         added = existing = 0
         by_task: dict[str, list[Prompt]] = {}
         for prompt in prompts:
@@ -170,7 +224,8 @@ class ReplayBuffer:
                 for p in chunk:
                     fields = codec.encode_prompt(p)
                     args += [fields["uid"], fields["task"], fields["data"]]
-                keys = [self.keys.stream(pool, task), self.keys.fed(task), self.keys.progress]
+                fed = self.keys.fed(task) if batch is None else self.keys.batch_fed(batch, task)
+                keys = [self.keys.stream(pool, task), fed, self.keys.progress]
                 n = int(self.scripts.feed(keys=keys, args=args))
                 added += n
                 existing += len(chunk) - n
@@ -231,7 +286,10 @@ class ReplayBuffer:
         self.ensure(task)
         kinds = [k for k in POOLS if include_expired or k != EXPIRED]
         claims: list[Claim] = []
-        for kind in (EVALS, *kinds):  # already admitted: a dead producer's claims do not count twice
+        # a dead producer's claims, from every pool whatever this caller's mode (one that
+        # claimed from the expired pool in tail-batch mode leaves claims there that a
+        # producer out of that mode must take back too); already admitted: not counted twice
+        for kind in (EVALS, *POOLS):
             if len(claims) < count:
                 claims += self._claims(self.reclaim(kind, task, count - len(claims)))
         if len(claims) < count:  # eval prompts go ahead of training work, outside the bound
@@ -296,7 +354,7 @@ class ReplayBuffer:
     def _claims(self, entries: list[Entry]) -> list[Claim]:
         """Claims of the entries read; an entry that does not decode is dead-lettered at
         once (a second delivery would fail the same way) and the others are claimed."""
-        out = []
+        out: list[Claim] = []
         for entry in entries:
             try:
                 if codec.is_group_entry(entry.fields):
@@ -308,8 +366,11 @@ class ReplayBuffer:
                     eval_batch(claim.prompt)  # needed only to settle it: fail now, not after generating
             except (DecodeError, ReplayBufferError) as exc:
                 self.dead_letter(entry, str(exc))
+            except FormatError as exc:  # the claims decoded so far stay pending: taken back once idle
+                raise refused_format(exc, entry) from None
             else:
                 out.append(claim)
+        self.hold(claim.entry for claim in out)
         return out
 
     def complete(self, claim: Claim, group: Group) -> str | None:
@@ -330,10 +391,13 @@ class ReplayBuffer:
             settles.append(self._completion(claim, group))
             by_stream.setdefault(claim.entry.stream, []).append(i)
         results: list[str | None] = [None] * len(done)
-        for positions in by_stream.values():
-            landed = self.streams.settle_many([settles[i] for i in positions])
-            for i, result in zip(positions, landed, strict=True):
-                results[i] = result
+        try:
+            for positions in by_stream.values():
+                landed = self.streams.settle_many([settles[i] for i in positions])
+                for i, result in zip(positions, landed, strict=True):
+                    results[i] = result
+        finally:  # settled, fenced or failed: this process holds none of them any more
+            self.release(claim.entry for claim, _ in done)
         return results
 
     def _completion(self, claim: Claim, group: Group) -> Settle:
@@ -374,9 +438,14 @@ class ReplayBuffer:
         pool = EVALS if claim.source == EVALS else ABORTED
         return self._settle(claim.entry, self.keys.stream(pool, claim.task), fields, Count.ABORTED)
 
-    def drop(self, claim: Claim) -> bool:
-        """Ack + delete a claim without writing a group: the filter rejected it."""
-        return self._settle(claim.entry, None, None, Count.FILTERED) is not None
+    def drop(self, claim: Claim, group: Group | None = None) -> bool:
+        """Ack + delete a claim without writing the group: the filter rejected it. A small
+        record naming the prompt (uid, group id, reward mean) goes to the run's filtered
+        stream in the same transaction."""
+        if group is None:
+            group = Group(claim.group_id, claim.task, claim.prompt, producer=self.consumer)
+        record = codec.encode_filtered(group, claim.entry.stream, claim.entry.id)
+        return self._settle(claim.entry, self.keys.filtered, record, Count.FILTERED) is not None
 
     # --- trainer side ----------------------------------------------------------------
 
@@ -388,17 +457,25 @@ class ReplayBuffer:
         if count <= 0:
             return Batch(task)
         if self._recover_from.get(task) != RECOVERED:
-            entries += self._own_pending(task, count)
+            held = set(self._held_ids(self.keys.groups(task)))
+            entries += [e for e in self._own_pending(task, count) if e.id not in held]
+            self.hold(entries)  # before the reclaim below, which takes what is not held
         if len(entries) < count:
             entries += self.reclaim(GROUPS, task, count - len(entries))
         if len(entries) < count:
             entries += self.streams.read([GROUPS], task, count - len(entries), block_ms=block_ms)
+        self.hold(entries)
         batch = Batch(task)
         for entry in entries:
             try:
-                batch.items.append(BatchItem(entry, codec.decode_group(entry.fields)))
+                batch.items.append(BatchItem(entry, codec.decode_group(entry.fields, task)))
             except DecodeError as exc:
                 self.dead_letter(entry, str(exc))
+            except FormatError as exc:
+                # the others stay pending: a reader that goes on takes them back once idle;
+                # the refused one stays held, never re-read (nor dead-lettered) by this process
+                self.release(e for e in entries if e is not entry)
+                raise refused_format(exc, entry) from None
         return batch
 
     def commit(self, batch: Batch) -> list[str]:
@@ -409,7 +486,10 @@ class ReplayBuffer:
         ids = [item.entry.id for item in batch.items]
         keys = [self.keys.groups(batch.task), self.keys.progress]
         args = [TRAINER, self.consumer, progress_field(batch.task, Count.CONSUMED), *ids]
-        foreign = self.scripts.commit(keys=keys, args=args)
+        try:
+            foreign = self.scripts.commit(keys=keys, args=args)
+        finally:
+            self.release(item.entry for item in batch.items)
         return [text(i) for i in foreign]
 
     def expire(self, item: BatchItem, keep: Sequence[Sample] = ()) -> str | None:
@@ -439,7 +519,10 @@ class ReplayBuffer:
 
     def reclaim(self, kind: str, task: str, count: int, *, force: bool = False) -> list[Entry]:
         """Take over entries that other consumers of the kind's group left idle longer
-        than claim_idle_ms (dead, or too slow to heartbeat with :meth:`touch`).
+        than claim_idle_ms (dead, or too slow to heartbeat with :meth:`touch`), and
+        entries pending under this consumer that this process does not hold (see
+        :meth:`release`): a settle that failed, a claim or read sent again after a
+        lost reply. Each counts as a delivery.
 
         Entries delivered more than max_attempts times go to the dead letters
         instead. Without ``force`` a stream is scanned at most twice per
@@ -459,6 +542,7 @@ class ReplayBuffer:
                 GROUP_OF_KIND[kind], self.consumer, idle_ms, start, count - len(out),
                 self.settings.buffer.max_attempts, progress_field(task, Count.DEAD),
                 progress_field(task, Count.GROUPS_DEAD) if kind == GROUPS else "",
+                "1", *self._held_ids(stream),
             ]  # fmt: skip
             cursor, claimed = self.scripts.reclaim(keys=keys, args=args)
             for entry_id, flat, deliveries in claimed:
@@ -492,6 +576,32 @@ class ReplayBuffer:
         untrained = {progress_field(entry.task, Count.GROUPS_DEAD): 1.0} if entry.kind == GROUPS else None
         return self._settle(entry, self.keys.dead, fields, Count.DEAD, untrained) is not None
 
+    def dead_letter_by_hand(self, kind: str, task: str, entry_id: str, reason: str) -> tuple[str, str, int]:
+        """An operator's move of one entry of a task's stream to the dead letters (an entry
+        no reader of this version can read, a group that crashes the trainer), pending or
+        not, whoever holds it: counted in ``dead`` (and ``groups_dead`` for a group) like
+        every dead letter, its holder's settle fenced off. Returns the dead letter's id,
+        the consumer that held the entry ('' when none) and its deliveries;
+        ReplayBufferError when the stream has no such entry."""
+        if kind not in GROUP_OF_KIND:
+            raise ReplayBufferError(
+                f"{kind!r} is not a stream kind with entries to dead-letter ({', '.join(GROUP_OF_KIND)})"
+            )
+        self.ensure(task)
+        stream = self.keys.stream(kind, task)
+        keys = [stream, self.keys.dead, self.keys.progress, self.keys.fence(stream)]
+        args = [
+            GROUP_OF_KIND[kind], entry_id, f"by hand: {reason}", progress_field(task, Count.DEAD),
+            progress_field(task, Count.GROUPS_DEAD) if kind == GROUPS else "",
+        ]  # fmt: skip
+        try:
+            dead, owner, deliveries = self.scripts.dead_letter_by_hand(keys=keys, args=args)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOENTRY"):
+                raise
+            raise ReplayBufferError(str(exc).removeprefix("NOENTRY ")) from None
+        return text(dead), text(owner), int(deliveries)
+
     # --- mechanics -------------------------------------------------------------------
 
     def _own_pending(self, task: str, count: int) -> list[Entry]:
@@ -506,23 +616,29 @@ class ReplayBuffer:
             else:  # deleted while pending: nothing left to train on, but say so
                 self.dead_letter(entry, "deleted while pending")
         if entries:
-            # History reads count as deliveries; a group that keeps crashing the trainer
-            # is dead-lettered like any other entry delivered too often.
+            # A re-read after a restart is not charged against the groups: a trainer killed
+            # from outside (OOM killer, preemption, an operator) before its commit redoes its
+            # step on the same groups however often that happens. Say so past max_attempts:
+            # a group that itself kills the trainer is for the operator to move.
             pending = self.client.xpending_range(
                 stream, TRAINER, min=entries[0].id, max=entries[-1].id, count=len(entries),
                 consumername=self.consumer,
             )  # fmt: skip
             counts = {text(p["message_id"]): int(p["times_delivered"]) for p in pending}
             max_attempts = self.settings.buffer.max_attempts
-            kept = []
+            over = []
             for entry in entries:
                 entry.deliveries = counts.get(entry.id, 1)
                 if entry.deliveries > max_attempts:
-                    self.dead_letter(
-                        entry,
-                        f"delivered {entry.deliveries} times, more than max_attempts {max_attempts}",
-                    )
-                else:
-                    kept.append(entry)
-            entries = kept
+                    over.append(entry)
+            if over:
+                log.warning(
+                    "%d groups of %s pending for %s re-read after %d or more restarts before a "
+                    "commit (more than buffer.max_attempts %d); kept, not dead-lettered. If one "
+                    "of them crashes the trainer, move it with `rollstream dead-letter %s <id> "
+                    "--reason ...` (ids %s)",
+                    len(over), stream, self.consumer, min(e.deliveries for e in over) - 1,
+                    max_attempts, f"{GROUPS}:{task}",
+                    ", ".join(e.id for e in over[:8]) + (" ..." if len(over) > 8 else ""),
+                )  # fmt: skip
         return entries

@@ -51,6 +51,7 @@ content). The checks are comparisons per sample and per run, never per token.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import operator
 from collections.abc import Callable, Mapping
@@ -87,6 +88,7 @@ RawFields = Mapping[bytes, bytes]
 # docs/stream-format.md: every entry carries "format" = "MAJOR.MINOR". A reader reads
 # every minor version of its major (new fields are only ever added), and refuses any
 # other major; an entry without the field is from before the field existed: 1.0.
+log = logging.getLogger(__name__)
 FORMAT_VERSION = "1.0"
 FORMAT_MAJOR = FORMAT_VERSION.split(".")[0]
 # A group entry with an agent trajectory's fields (a sample's mask, turns, agent status)
@@ -167,6 +169,26 @@ def encode_prompt(prompt: Prompt) -> Fields:
         "task": prompt.task,
         "data": orjson.dumps(prompt_to_dict(prompt)),
         "format": FORMAT_VERSION,
+    }
+
+
+def encode_filtered(group: Group, source: str, source_id: str) -> Fields:
+    """The record of a group the producer's filter dropped, for ``rs:{run}:filtered``: no
+    samples, only what names the prompt and why it was dropped, so that every prompt's
+    outcome can be found by its uid (a trained one by the trainer's record, a dead one in
+    the dead letters, an expired one in its pool)."""
+    reward_mean = group.reward_mean
+    return {
+        "format": FORMAT_VERSION,
+        "task": group.task,
+        "uid": group.prompt.uid,
+        "group_id": group.group_id,
+        "producer": group.producer,
+        "attempt": group.attempt,
+        "n": len(group.samples),
+        "reward_mean": "" if reward_mean is None else repr(reward_mean),
+        "source": source,
+        "source_id": source_id,
     }
 
 
@@ -453,10 +475,17 @@ def _ascii(text: str, chars: int) -> str:
     return shown + "..." if len(head) < len(text) else shown
 
 
-def decode_group(fields: RawFields) -> Group:
+def decode_group(fields: RawFields, task: str | None = None) -> Group:
+    """A group entry, checked as docs/stream-format.md §5.2.2 says: DecodeError (a dead
+    letter) for what a reader cannot train on safely, a warning for plain fields that
+    disagree with the packed ones. ``task``: the task of the stream it was read from,
+    which the entry's own must be."""
     check_format(fields.get(b"format"), "a group entry")
     try:
-        return _decode_group(fields)
+        group = _decode_group(fields)
+        if task is not None and group.task != task:
+            raise DecodeError(f"task {_shown(group.task)} in a stream of task {_shown(task)}")
+        return group
     except DecodeError as exc:
         raise DecodeError(f"undecodable group entry: {exc}", fields) from None
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
@@ -496,18 +525,64 @@ def _decode_group(fields: RawFields) -> Group:
         raise DecodeError(f"prompt_ids_in_samples is {_shown(in_samples)}, not true or false")
     if in_samples:  # int32 from bytes: nothing to check
         prompt.prompt_ids = prompt_ids.tolist()
-    return Group(
+    model_step = _field(fields, b"model_step", _model_step)
+    # staleness is t - model_step - 1: a model_step above its tokens' versions would pass a
+    # stale group off as fresh. Without a token (an expired-pool entry, every response
+    # empty) it is whatever its writer gave.
+    oldest = min((value for runs in runs_of for value, _ in runs), default=None)
+    if oldest is not None and model_step != oldest:
+        raise DecodeError(f"model_step {model_step} is not its oldest token version, {oldest}")
+    group = Group(
         group_id=_field(fields, b"group_id", _utf8),
         task=_field(fields, b"task", _utf8),
         prompt=prompt,
         samples=samples,
-        model_step=_field(fields, b"model_step", _model_step),
+        model_step=model_step,
         status=_field(fields, b"status", _status),
         attempt=_field(fields, b"attempt", _attempt),
         producer=_field(fields, b"producer", _utf8),
         created_at=created_at,
         timings=timings,
     )
+    _warn_plain(fields, group, len(prompt_ids), len(response_ids))
+    return group
+
+
+# Plain fields of group entries found to disagree with what the entry holds: each is
+# warned about once per process (a producer that writes one wrong writes it every time).
+_WARNED: set[str] = set()
+
+
+def _warn_plain(fields: RawFields, group: Group, prompt_tokens: int, response_tokens: int) -> None:
+    """The plain fields that only repeat what the packed ones hold (n, the token counts,
+    reward_mean) and the group id: a reader takes the packed fields and the prompt record
+    as the truth, and says when the copies disagree (§5.2.2)."""
+    scores = [s.score for s in group.samples if s.score is not None]
+    expected = {
+        "n": str(len(group.samples)),
+        "prompt_tokens": str(prompt_tokens),
+        "response_tokens": str(response_tokens),
+        "group_id": f"{group.task}:{group.prompt.uid}",
+    }
+    wrong = [name for name, value in expected.items() if fields.get(name.encode()) != value.encode()]
+    raw_mean = fields.get(b"reward_mean", b"")
+    if scores:
+        try:
+            mean_ok = math.isclose(float(raw_mean), sum(scores) / len(scores), abs_tol=1e-12)
+        except ValueError:
+            mean_ok = False
+    else:
+        mean_ok = raw_mean == b""
+    if not mean_ok:
+        wrong.append("reward_mean")
+    new = [name for name in wrong if name not in _WARNED]
+    if new:
+        _WARNED.update(new)
+        log.warning(
+            "group entry %s of task %s: %s disagree%s with what the entry holds; read from the "
+            "packed fields and the prompt record (said once per field per process)",
+            group.group_id, group.task, ", ".join(new), "s" if len(new) == 1 else "",
+        )  # fmt: skip
 
 
 def _samples(

@@ -22,6 +22,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
+from rollstream.shared import telemetry
 from rollstream.shared.errors import RedisTooOld, RedisUnavailable
 from rollstream.shared.settings import RedisSettings, redact_url
 from rollstream.shared.waiting import NotYet, wait_until
@@ -78,6 +79,7 @@ class OutageRetry(Retry):
                     )  # fmt: skip
                 elif now - started >= self._limit():
                     log.error("Redis at %s gone for %.1f s: giving up", self.shown_url, now - started)
+                    telemetry.outage(now - started)
                     raise
                 time.sleep(self._backoff.compute(failures))
             else:
@@ -85,6 +87,7 @@ class OutageRetry(Retry):
                     log.info(
                         "Redis at %s answers again after %.1f s", self.shown_url, time.monotonic() - started
                     )
+                    telemetry.outage(time.monotonic() - started)
                 return result
 
 

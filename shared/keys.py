@@ -13,10 +13,12 @@ and one Lua script may touch several of them.
     rs:{run}:groups:{task}    stream  the replay buffer        group "trainer"
     rs:{run}:eval:{batch}     stream  eval results of one eval batch
     rs:{run}:batch:{batch}    hash    a coordinator batch: status, kind, counts, result
+    rs:{run}:batch:{batch}:fed:{task}  set  uids fed by the batch (idempotence); gone when it ends
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
+    rs:{run}:filtered         stream  one small record per group the filter dropped (its uid)
     rs:{run}:state            hash    model_step, train_step, settings, ray_address, paused,
-                                      format, producer:{name} heartbeats,
+                                      format, run_id, lost, producer:{name} heartbeats,
                                       feeder:{task}:cursor
     rs:{run}:alive:{role}:{name}  string  a process's heartbeat JSON; expires by itself
     rs:{run}:rq:*             rq's keys: the judge queue, its jobs, registries and workers
@@ -63,6 +65,8 @@ RUN_SETTINGS = "settings"  # the settings every process of the run must share (J
 RAY_ADDRESS = "ray_address"  # the Ray cluster the run's engines live on
 PAUSED = "paused"  # "1" while the run is paused
 PRODUCER_BEAT = "producer:"  # + a producer's name: its heartbeat JSON (model_step, inflight, ts)
+RUN_ID = "run_id"  # the run's identity, made once by its first process: a Redis that lost it shows
+RUN_LOST = "lost"  # set by the process that found the run's data gone: what was lost (JSON)
 
 
 class Count(StrEnum):
@@ -120,6 +124,7 @@ class Role(StrEnum):
     TRAINER = "trainer"
     FEEDER = "feeder"
     JUDGE = "judge"
+    METRICS = "metrics"
 
 
 ROLES = tuple(Role)
@@ -191,6 +196,11 @@ class Keys:
     def batch(self, batch: str) -> str:
         return f"{self.base}:batch:{validate_name(batch, 'batch id')}"
 
+    def batch_fed(self, batch: str, task: str) -> str:
+        """The uids a coordinator batch fed (rs:{run}:fed:{task} is for one-shot feeds
+        and never shrinks): deleted when the batch ends."""
+        return f"{self.batch(batch)}:fed:{validate_name(task, 'task name')}"
+
     def eval(self, batch: str) -> str:
         return f"{self.base}:eval:{validate_name(batch, 'batch id')}"
 
@@ -201,6 +211,10 @@ class Keys:
     @property
     def dead(self) -> str:
         return f"{self.base}:dead"
+
+    @property
+    def filtered(self) -> str:
+        return f"{self.base}:filtered"
 
     @property
     def state(self) -> str:

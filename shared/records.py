@@ -232,7 +232,10 @@ class Group:
     ``model_step`` is the oldest policy version in the group: the minimum of
     all response token versions. Left at -1 it is derived from them (and stays
     -1 while the group has no response token); a value given is kept, which is
-    how a decoded group skips the derivation.
+    how a decoded group skips the derivation. A producer gives ``for_prompt`` the
+    step its requests started at, which a group without any response token (every
+    response empty) takes: with -1 it would count as too stale at every train step
+    past the threshold and be re-rolled for ever.
     """
 
     group_id: str
@@ -255,8 +258,13 @@ class Group:
         )
 
     @classmethod
-    def for_prompt(cls, prompt: Prompt, **kwargs: Any) -> Group:
-        return cls(group_id=prompt.group_id, task=prompt.task, prompt=prompt, **kwargs)
+    def for_prompt(cls, prompt: Prompt, *, start_step: int | None = None, **kwargs: Any) -> Group:
+        """The group of ``prompt``; ``start_step``: the model step its generation started
+        at, the group's model_step when no response has a token to take it from."""
+        group = cls(group_id=prompt.group_id, task=prompt.task, prompt=prompt, **kwargs)
+        if group.model_step < 0 and start_step is not None and start_step >= 0:
+            group.model_step = start_step
+        return group
 
     @property
     def n(self) -> int:

@@ -1,4 +1,5 @@
-"""The settings every process of a run must share, published once in the run's state.
+"""The settings every process of a run must share, published once in the run's state,
+with the protocol's other numbers a foreign trainer reads there instead of guessing.
 
 Producers admit work by the staleness bound and the trainer expires by it; both
 split batches by the tasks' weights; the weight-sync mode decides what producers
@@ -12,15 +13,16 @@ setting with both values.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import orjson
 import redis
 
 from rollstream.shared.codec import FORMAT_VERSION, check_format
-from rollstream.shared.errors import RunSettingsMismatch, SettingsError
-from rollstream.shared.keys import FORMAT, RUN_SETTINGS, Keys
-from rollstream.shared.settings import ENV_PREFIX, Settings
+from rollstream.shared.errors import RunLost, RunSettingsMismatch, SettingsError
+from rollstream.shared.keys import FORMAT, RUN_ID, RUN_LOST, RUN_SETTINGS, TRAIN_STEP, Keys
+from rollstream.shared.settings import ENV_PREFIX, Settings, redact_url
 
 
 def agreed_settings(settings: Settings) -> dict[str, Any]:
@@ -31,6 +33,22 @@ def agreed_settings(settings: Settings) -> dict[str, Any]:
         flat[f"tasks.{task.name}.weight"] = task.weight
         flat[f"tasks.{task.name}.n"] = task.n
     return flat
+
+
+def protocol_settings(settings: Settings) -> dict[str, Any]:
+    """What a trainer of another framework needs to follow the protocol beside the agreed
+    settings, published with them (``protocol``) as the run's values, not compared: when
+    an entry of a dead consumer may be taken over, after how many deliveries an entry is
+    dead-lettered, how long a liveness key lives and how often producers renew their
+    heartbeat, and how long a stopping process waits for the others."""
+    return {
+        "buffer.claim_idle_ms": settings.buffer.claim_idle_ms,
+        "buffer.max_attempts": settings.buffer.max_attempts,
+        "process.liveness_ttl_s": settings.process.liveness_ttl_s,
+        "process.stop_timeout_s": settings.process.stop_timeout_s,
+        "producer.heartbeat_s": settings.producer.heartbeat_s,
+        "rollout.stale_threshold": settings.rollout.stale_threshold,
+    }
 
 
 def _variable(name: str) -> str:
@@ -45,7 +63,9 @@ def check_run_settings(client: redis.Redis, keys: Keys, settings: Settings, who:
     client.hsetnx(keys.state, FORMAT, FORMAT_VERSION)  # the run's stream format: its first writer's
     check_format(client.hget(keys.state, FORMAT), f"run {keys.run!r}")
     mine = agreed_settings(settings)
-    body = orjson.dumps({"by": who, "ts": time.time(), "settings": mine})
+    body = orjson.dumps(
+        {"by": who, "ts": time.time(), "settings": mine, "protocol": protocol_settings(settings)}
+    )
     if client.hsetnx(keys.state, RUN_SETTINGS, body):
         return True
     raw = client.hget(keys.state, RUN_SETTINGS)
@@ -68,3 +88,85 @@ def check_run_settings(client: redis.Redis, keys: Keys, settings: Settings, who:
             "run must share them, so make them agree or use another run name:\n  " + "\n  ".join(differences)
         )
     return False
+
+
+# What a run keeps in Redis and loses with it: named in RunLost's message.
+LOST_DATA = (
+    "its steps (train_step, model_step), settings, queued prompts, replay buffer, pending claims, "
+    "progress counters and feeder cursors"
+)
+
+
+def run_identity(
+    client: redis.Redis, keys: Keys, url: str, known: str | None = None, known_by: str = ""
+) -> str:
+    """The run's id, made now (HSETNX of ``run_id`` in the state hash) when the run is new.
+
+    A run marked lost (``lost`` in the state, by a process that found its data gone)
+    raises RunLost. So does a run without an id (or with another one) when ``known``
+    says which id it had: ``known_by`` says who knew (the trainer's own record), so
+    a Redis restarted empty is never taken for a new run behind the user's back."""
+    marker = _text(client.hget(keys.state, RUN_LOST))
+    if marker is not None:
+        raise RunLost(_marked_lost(keys, url, marker))
+    current = _text(client.hget(keys.state, RUN_ID))
+    if known is not None and current != known:
+        raise RunLost(lost_message(keys, url, known, current, known_by))
+    if current is None:
+        client.hsetnx(keys.state, RUN_ID, uuid.uuid4().hex)
+        current = _text(client.hget(keys.state, RUN_ID))
+    return current or ""
+
+
+def _text(value: Any) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def check_run_identity(client: redis.Redis, keys: Keys, url: str, known: str, who: str) -> None:
+    """RunLost when Redis no longer holds run id ``known`` (what this process saw at its
+    start); the run is then marked lost in the state, so that no process restarted by a
+    supervisor starts it again at step 0."""
+    current = _text(client.hget(keys.state, RUN_ID))
+    if current == known:
+        return
+    message = lost_message(keys, url, known, current, f"{who}, which started in it")
+    marker = {"run_id": known, "found_by": who, "ts": time.time(), "what": message}
+    client.hsetnx(keys.state, RUN_LOST, orjson.dumps(marker))
+    raise RunLost(message)
+
+
+def lost_message(keys: Keys, url: str, known: str, current: str | None, known_by: str) -> str:
+    shown = redact_url(url)
+    if current is None:
+        found = (
+            f"Redis at {shown} no longer holds it ({keys.state} has no {RUN_ID}: Redis was emptied, "
+            "or restarted without its data)"
+        )
+    else:
+        found = f"Redis at {shown} holds another run of that name (run id {current})"
+    return (
+        f"run {keys.run!r} (run id {known}, known to {known_by}) is lost: {found}. Lost with it: "
+        f"{LOST_DATA}. Nothing was started again at step 0: restore Redis's data (its append-only "
+        "file, with a redis-server that can load it) and restart the run's processes, or start afresh "
+        "under another run name"
+    )
+
+
+def _marked_lost(keys: Keys, url: str, marker: str) -> str:
+    try:
+        what = str(orjson.loads(marker)["what"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        what = repr(marker[:200])
+    return (
+        f"{what} (marked lost in {keys.state} field {RUN_LOST!r} at {redact_url(url)}; to start the run "
+        f"afresh there: `redis-cli -u <redis.url> DEL {keys.state}`)"
+    )
+
+
+def committed_step(client: redis.Redis, keys: Keys) -> int:
+    """The run's last committed train step as stored (0 when absent or unreadable)."""
+    raw = client.hget(keys.state, TRAIN_STEP)
+    try:
+        return int(raw or 0)
+    except ValueError:
+        return 0

@@ -125,13 +125,18 @@ return foreign
 )
 
 # KEYS: stream, dead stream, progress hash, fence counter of the stream
-# ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field
-# Takes over entries idle longer than min idle from *other* consumers, and bumps the
-# fence counter when it does, which aborts any settle of theirs in flight (WATCH); those delivered
-# more than max attempts times, and those deleted while pending, become dead letters.
+# ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field,
+#       groups_dead progress field ('' = none), '1' to take back own entries too, then
+#       the ids of this stream the caller holds (never taken)
+# Takes over entries idle longer than min idle from *other* consumers, and the caller's
+# own entries that it no longer holds (a settle that failed on a lost connection, a claim
+# or a read whose reply was lost and the command sent again: pending under a live
+# consumer that does not know it has them), and bumps the fence counter when it does,
+# which aborts any settle in flight (WATCH); those delivered more than max attempts
+# times, and those deleted while pending, become dead letters.
 # Returns {next start id ('0-0' when done), {{id, fields, deliveries}...}}.
 #
-# Not XAUTOCLAIM: it cannot leave the caller's own entries alone (a live producer
+# Not XAUTOCLAIM: it cannot leave the caller's held entries alone (a live producer
 # would take back, and count again, a claim it is still generating), and Redis 6.2
 # answers an entry deleted while pending with a nil in place of the entry, id and all.
 # XPENDING ... IDLE names each entry's owner; XCLAIM then takes one entry at a time.
@@ -143,10 +148,12 @@ check_counter(KEYS[3], ARGV[7])
 local count = tonumber(ARGV[5])
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', count)
 local max_attempts = tonumber(ARGV[6])
+local own, held = ARGV[9] == '1', {}
+for i = 10, #ARGV do held[ARGV[i]] = true end
 local out, dead, fenced = {}, 0, false
 for _, p in ipairs(pending) do
   local id, owner, deliveries = p[1], p[2], p[4] + 1
-  if owner ~= ARGV[2] then
+  if owner ~= ARGV[2] or (own and not held[id]) then
     if not fenced then
       redis.call('INCR', KEYS[4])
       fenced = true
@@ -170,10 +177,41 @@ for _, p in ipairs(pending) do
   end
 end
 if dead > 0 and ARGV[7] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[7], dead) end
-if dead > 0 and ARGV[8] and ARGV[8] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[8], dead) end
+if dead > 0 and ARGV[8] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[8], dead) end
 local cursor = '0-0'
 if #pending == count then cursor = '(' .. pending[#pending][1] end
 return {cursor, out}
+"""
+)
+
+# KEYS: stream, dead stream, progress hash, fence counter of the stream
+# ARGV: group, id, reason, dead progress field, groups_dead progress field ('' = none)
+# An operator's dead letter of one entry, pending or not, whoever holds it: appends the
+# dead letter, acks and deletes the entry, counts it, and bumps the fence (a settle of its
+# holder in flight then finds it gone and writes nothing). Returns {dead letter id, owner
+# ('' when not pending), deliveries}, or an error NOENTRY when the stream has no such entry.
+DEAD_LETTER_BY_HAND = (
+    _DEAD_LETTER_FN
+    + _CHECK_COUNTER_FN
+    + """
+local t = redis.call('TYPE', KEYS[1]).ok
+if t ~= 'stream' then return redis.error_reply('NOENTRY ' .. KEYS[1] .. ' is not a stream') end
+local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if not entry and #pending == 0 then
+  return redis.error_reply('NOENTRY no entry ' .. ARGV[2] .. ' in ' .. KEYS[1])
+end
+check_counter(KEYS[3], ARGV[4])
+check_counter(KEYS[3], ARGV[5])
+local owner, deliveries = '', 0
+if #pending > 0 then owner, deliveries = pending[1][2], pending[1][4] end
+redis.call('INCR', KEYS[4])
+local dead = dead_letter(KEYS[2], KEYS[1], ARGV[2], ARGV[3], deliveries, entry and entry[2] or nil)
+if #pending > 0 then redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) end
+if entry then redis.call('XDEL', KEYS[1], ARGV[2]) end
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[5], 1) end
+return {dead, owner, deliveries}
 """
 )
 
@@ -290,6 +328,7 @@ class Scripts:
         self.commit: Script = client.register_script(COMMIT)
         self.reclaim: Script = client.register_script(RECLAIM)
         self.touch: Script = client.register_script(TOUCH)
+        self.dead_letter_by_hand: Script = client.register_script(DEAD_LETTER_BY_HAND)
         self.claim_bounded: Script = client.register_script(CLAIM_BOUNDED)
         self.feed: Script = client.register_script(FEED)
         self.feed_at_cursor: Script = client.register_script(FEED_AT_CURSOR)

@@ -41,7 +41,7 @@ CONFIG_ENV = "ROLLSTREAM_CONFIG"
 DEFAULT_CONFIG_FILE = "rollstream.toml"
 
 # ROLLSTREAM_ variables that are not settings yet must not be refused as unknown ones.
-# ROLLSTREAM_CONFIG names the settings file; the Procfile reads the next six (and .env
+# ROLLSTREAM_CONFIG names the settings file; the Procfile reads the next seven (and .env
 # sets some of them for it); bench/common.py reads ROLLSTREAM_BENCH_RESULTS.
 NON_SETTING_ENV = frozenset(
     {
@@ -52,6 +52,7 @@ NON_SETTING_ENV = frozenset(
         "ROLLSTREAM_TASK",
         "ROLLSTREAM_TRAIN_ARGS",
         "ROLLSTREAM_REDIS_DIR",
+        "ROLLSTREAM_TRAINER_RECORD",
         "ROLLSTREAM_BENCH_RESULTS",
     }
 )
@@ -347,6 +348,23 @@ class ProcessSettings(BaseModel):
     stop_timeout_s: float = Field(default=10.0, gt=0, description="longest clean stop after SIGTERM")
 
 
+class MetricsSettings(BaseModel):
+    """Where a process serves its Prometheus metrics (shared/telemetry.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description=(
+            "port of this process's /metrics; unset: $PORT when a process manager (honcho, foreman) "
+            "sets it, else none; 0: none"
+        ),
+    )
+    host: str = Field(default="0.0.0.0", min_length=1, description="address the metrics server binds")
+
+
 class LogSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -437,6 +455,7 @@ class Settings(BaseSettings):
     ray: RaySettings = Field(default_factory=RaySettings)
     process: ProcessSettings = Field(default_factory=ProcessSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
 
     @field_validator("tasks")

@@ -17,6 +17,7 @@ from rollstream.shared.keys import (
     PAUSED,
     POOLS,
     TRAIN_STEP,
+    UNTRAINABLE,
     Count,
     Keys,
     progress_field,
@@ -54,6 +55,10 @@ class TaskAccount:
     dropped: int  # expired with tail_batch_trigger_size -1, aborted or removed with their batch
     dead: int
     lost: int
+    # Groups of the replay buffer that no producer made from a fed prompt (written by hand,
+    # or by a producer that does not count `completed`): in the figures above (trained,
+    # waiting, dead, ...) but not in fed, so they are taken out of lost.
+    not_fed: int = 0
 
 
 @dataclass(slots=True)
@@ -103,25 +108,33 @@ def stream_keys(client: redis.Redis, keys: Keys) -> list[tuple[str, str, str]]:
 
 
 def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
-    state = client.hgetall(keys.state)
-    progress = client.hgetall(keys.progress)
+    found = stream_keys(client, keys)
+    # The counters and the streams' lengths in one snapshot (MULTI): the account of the
+    # prompts adds up only if nothing moves between reading the ones and the others.
+    snap = client.pipeline(transaction=True)
+    snap.hgetall(keys.state)
+    snap.hgetall(keys.progress)
+    snap.xlen(keys.dead)
+    snap.xlen(keys.events)
+    for key, _, _ in found:
+        snap.xlen(key)
+    state, progress, dead, events, *lengths = snap.execute()
     status = RunStatus(
         run=keys.run,
         model_step=_int(state.get(MODEL_STEP.encode())),
         train_step=_int(state.get(TRAIN_STEP.encode())),
         paused=state.get(PAUSED.encode()) == b"1",
-        dead_letters=int(client.xlen(keys.dead)),
-        events=int(client.xlen(keys.events)),
+        dead_letters=int(dead),
+        events=int(events),
         progress={text(k): _count(v) for k, v in sorted(progress.items())},
         processes=live_processes(client, keys),
     )
-    for key, kind, task in stream_keys(client, keys):
+    for (key, kind, task), length in zip(found, lengths, strict=True):
         group = GROUP_OF_KIND[kind]
         pipe = client.pipeline(transaction=False)
-        pipe.xlen(key)
         pipe.xinfo_groups(key)
         pipe.xpending_range(key, group, min="-", max="+", count=1)
-        length, groups, oldest = pipe.execute(raise_on_error=False)
+        groups, oldest = pipe.execute(raise_on_error=False)
         info = (
             next((g for g in groups if text(g["name"]) == group), None) if isinstance(groups, list) else None
         )
@@ -160,6 +173,11 @@ def _accounts(status: RunStatus) -> dict[str, TaskAccount]:
             count[Count.FILTERED],
         )
         held = trained + evaluated + waiting + in_pools + filtered + dropped
+        # What entered the groups stream (completed by producers, and anything else) is
+        # there or left it by one of these; what the producers did not count came from
+        # elsewhere. Never below 0: a group deleted by hand before anyone read it is lost.
+        left_groups = waiting + trained + sum(count[c] for c in UNTRAINABLE)
+        not_fed = max(0, left_groups - count[Count.COMPLETED])
         out[task] = TaskAccount(
             fed=count[Count.FED],
             trained=trained,
@@ -169,6 +187,7 @@ def _accounts(status: RunStatus) -> dict[str, TaskAccount]:
             filtered=filtered,
             dropped=dropped,
             dead=count[Count.DEAD],
-            lost=count[Count.FED] - held - count[Count.DEAD],
+            lost=count[Count.FED] - held - count[Count.DEAD] + not_fed,
+            not_fed=not_fed,
         )
     return out

@@ -19,7 +19,10 @@ consumer's. However many entries, it is one round trip:
 Only a reclaim moves an entry to another owner, so an EXEC that runs saw no
 change of owner since its gate checked; a reclaim between gate and EXEC
 aborts it, and the settle checks again; entries the gate named are dropped
-and the rest settled again. One claim is settled by one thread: two
+and the rest settled again. A settle whose connection drops is sent again only
+when an entry is still pending for this consumer (EXEC acks all or none, so the
+transaction did not run); EXECABORT (a write Redis refused, e.g. out of memory)
+wrote nothing and is raised as such. One claim is settled by one thread: two
 concurrent settles of the same entry by the same consumer are not fenced
 against each other.
 """
@@ -36,7 +39,7 @@ from typing import Any
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.errors import CorruptValueError, ReplayBufferError
+from rollstream.shared.errors import CorruptValueError, RedisOutOfMemory, ReplayBufferError
 from rollstream.shared.keys import GROUP_OF_KIND, Keys
 from rollstream.shared.records import MAX_STEP
 from rollstream.shared.resp import CommandWriter
@@ -48,6 +51,7 @@ def text(value: Any) -> str:
 
 
 INT64_MAX = 2**63 - 1
+SETTLE_RESENDS = 3  # a settle sent again after a dropped connection, when it did not run
 _INTEGER = re.compile(r"-?[0-9]{1,19}")  # what Redis writes for an integer: no "+", "_" or spaces
 
 
@@ -85,6 +89,34 @@ def stored_float(value: Any, key: str, field: str, expected: str = "a number") -
 def pairs(flat: list[Any]) -> dict[bytes, bytes]:
     """An entry's fields from the flat [name, value, ...] list a script returns."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+OOM_ADVICE = (
+    "Redis is out of memory: its used memory is above its maxmemory setting and its "
+    "maxmemory-policy (noeviction) refuses writes"
+)
+
+
+def refused(error: Exception, replies: Sequence[Any], what: str) -> Exception:
+    """The error to raise for a transaction Redis refused (EXECABORT) or a failed gate:
+    one that names the cause. Nothing of the transaction was written, so the entries stay
+    pending for this consumer and are settled again later (or reclaimed)."""
+    causes = [
+        r
+        for r in replies
+        if isinstance(r, redis.ResponseError) and not isinstance(r, redis.exceptions.ExecAbortError)
+    ]
+    if any(
+        isinstance(r, redis.exceptions.OutOfMemoryError) or str(r).startswith("OOM") for r in (error, *causes)
+    ):
+        return RedisOutOfMemory(
+            f"{OOM_ADVICE}: {what} wrote nothing (raise maxmemory, or free memory: "
+            "a trainer that commits frees the groups it trained on)"
+        )
+    if isinstance(error, redis.exceptions.ExecAbortError):
+        cause = causes[0] if causes else error
+        return ReplayBufferError(f"Redis refused {what}, nothing written: {cause}")
+    return error
 
 
 @dataclass(slots=True)
@@ -185,11 +217,25 @@ class ConsumerStreams:
         this consumer's are left out and the rest settled again."""
         results: list[str | None] = [None] * len(settles)
         todo = list(range(len(settles)))
+        resent = 0
         while todo:
-            replies = self.round_trip(self._settle_commands([settles[i] for i in todo]))
+            commands = self._settle_commands([settles[i] for i in todo])
+            try:
+                replies = self.round_trip(commands)
+            except (redis.ConnectionError, redis.TimeoutError):
+                # The connection dropped: did the transaction run? EXEC acks every entry or
+                # none, so one still pending for us means it did not, and sending it again is
+                # safe. Otherwise (it ran and its reply was lost, or another consumer took the
+                # entries) the error stands; nothing is pending for us either way.
+                if resent >= SETTLE_RESENDS or not self._any_pending([settles[i].entry for i in todo]):
+                    raise
+                resent += 1
+                continue
             verdict, done = replies[1], replies[-1]
+            if isinstance(done, Exception):  # EXECABORT: Redis refused a queued write
+                raise refused(done, replies, f"a settle of {len(todo)} entries of {settles[0].entry.stream}")
             if isinstance(verdict, Exception):
-                raise verdict
+                raise refused(verdict, replies, f"the gate of a settle of {settles[0].entry.stream}")
             if verdict != 1:  # the positions (1-based) of entries reclaimed by another
                 if done is not None:  # pragma: no cover - only if WATCH were not honoured
                     raise ReplayBufferError(f"settle of {len(todo)} entries ran although its gate refused")
@@ -206,6 +252,18 @@ class ConsumerStreams:
                 results[i] = text(next(added)) if settles[i].dest else "OK"
             todo = []
         return results
+
+    def _any_pending(self, entries: Sequence[Entry]) -> bool:
+        """Whether any of the entries (of one stream) is pending for this consumer, asked
+        through the client's outage retry: it waits for Redis to answer again."""
+        group = GROUP_OF_KIND[entries[0].kind]
+        for entry in entries:
+            mine = self.client.xpending_range(
+                entry.stream, group, min=entry.id, max=entry.id, count=1, consumername=self.consumer
+            )
+            if mine:
+                return True
+        return False
 
     def _settle_commands(self, settles: Sequence[Settle]) -> list[tuple[Any, ...]]:
         """WATCH fence, the gate, MULTI, the appends, one XACK + XDEL, the progress

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import time
 from collections import Counter, deque
@@ -45,26 +46,19 @@ STATUSES = ("completed", "aborted", "expired", "filtered", "failed")
 MAX_STEP = 2**31 - 1
 PAGE = 64
 
-# §11.5, as the page gives it
-COMMIT_LUA = """
-local owned, foreign = {}, {}
-for i = 4, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
-  if #p == 0 then foreign[#foreign + 1] = ARGV[i] else owned[#owned + 1] = ARGV[i] end
-end
-if #owned > 0 then
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
-  redis.call('XDEL', KEYS[1], unpack(owned))
-  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], #owned) end
-end
-return foreign
-"""
+# §11.5: the page's two scripts, run as the page writes them (taken from the page itself,
+# so that what is tested is what a reader of the page copies)
+SPEC = Path(__file__).resolve().parents[2] / "docs" / "stream-format.md"
 
-ADVANCE_LUA = """
-local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
-if tonumber(ARGV[2]) > current then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
-return 0
-"""
+
+def page_lua(section: str) -> list[str]:
+    text = SPEC.read_text(encoding="utf-8")
+    body = re.search(rf"^#+ {re.escape(section)}\b.*?$(.*?)(?=^#+ )", text, re.M | re.S)
+    assert body is not None, f"no section {section} in {SPEC}"
+    return re.findall(r"^```lua\n(.*?)^```$", body.group(1), re.M | re.S)
+
+
+COMMIT_LUA, ADVANCE_LUA = page_lua("11.5")
 
 
 class Undecodable(Exception):
@@ -100,6 +94,7 @@ class Group:
     samples: list[Sample]
     fields: dict[bytes, bytes]
     deliveries: int = 1
+    warnings: list[str] = field(default_factory=list)  # §5.2.2: plain fields that disagree
 
     @property
     def oldest_version(self) -> int:
@@ -117,18 +112,18 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
-def decode_group(entry_id: str, fields: dict[bytes, bytes]) -> Group:
-    """§5.2, checked as the page asks, plus the plain fields against the packed ones."""
+def decode_group(entry_id: str, fields: dict[bytes, bytes], stream_task: str | None = None) -> Group:
+    """§5.2, checked as the page asks, plus the plain fields against the packed ones (§5.2.2)."""
     version = fields.get(b"format", b"1.0").decode()
     if version.split(".")[0] != "1":
         raise RuntimeError(f"entry {entry_id} is in stream format {version}; this trainer reads 1.x")
     try:
-        return _decode_group(entry_id, fields)
+        return _decode_group(entry_id, fields, stream_task)
     except (KeyError, ValueError, TypeError, IndexError) as exc:  # JSON and UTF-8 errors are ValueErrors
         raise Undecodable(f"{exc!r}") from None
 
 
-def _decode_group(entry_id: str, fields: dict[bytes, bytes]) -> Group:
+def _decode_group(entry_id: str, fields: dict[bytes, bytes], stream_task: str | None) -> Group:
     meta = orjson.loads(fields[b"meta"])
     packed = {name: fields[name.encode()] for name in ("prompt_ids", "response_ids", "logprobs")}
     task, group_id = fields[b"task"].decode(), fields[b"group_id"].decode()
@@ -203,23 +198,29 @@ def _decode_group(entry_id: str, fields: dict[bytes, bytes]) -> Group:
         samples,
         fields,
     )
-    # The plain fields say what the packed ones hold (§5.2): a trainer may trust neither blindly.
+    # §5.2.2: a model_step that is not the oldest token version, or a task that is not the
+    # stream's, is a dead letter; a plain copy that disagrees with the packed fields or the
+    # prompt record is only a warning (trained on the packed fields and the prompt record).
+    if group.oldest_version != -1 and group.model_step != group.oldest_version:
+        raise Undecodable(f"model_step {group.model_step} is not the oldest version {group.oldest_version}")
+    if stream_task is not None and task != stream_task:
+        raise Undecodable(f"task {task!r} in a stream of task {stream_task!r}")
     scores = [float(s.reward["score"]) for s in samples if s.reward.get("score") is not None]
-    checks = {
-        "n": _int(fields, "n") == len(samples),
-        "response_tokens": _int(fields, "response_tokens") == len(response_ids),
-        "prompt_tokens": _int(fields, "prompt_tokens") == len(prompt_ids),
-        "model_step": group.model_step == group.oldest_version,
-        "group_id": group_id == f"{task}:{prompt['uid']}",
-        "reward_mean": (
-            fields.get(b"reward_mean", b"") == b""
-            if not scores
-            else math.isclose(float(fields[b"reward_mean"]), sum(scores) / len(scores), abs_tol=1e-9)
-        ),
+    copies = {
+        "n": str(len(samples)),
+        "response_tokens": str(len(response_ids)),
+        "prompt_tokens": str(len(prompt_ids)),
+        "group_id": f"{task}:{prompt['uid']}",
     }
-    wrong = [name for name, ok in checks.items() if not ok]
-    if wrong:
-        raise Undecodable(f"plain fields disagree with the packed ones: {wrong}")
+    group.warnings = [name for name, value in copies.items() if fields.get(name.encode()) != value.encode()]
+    raw_mean = fields.get(b"reward_mean", b"")
+    try:
+        mean = sum(scores) / len(scores) if scores else None
+        mean_ok = not raw_mean if mean is None else math.isclose(float(raw_mean), mean, abs_tol=1e-9)
+    except ValueError:
+        mean_ok = False
+    if not mean_ok:
+        group.warnings.append("reward_mean")
     if status != "completed" or any(s.status != "completed" for s in samples):
         raise Undecodable(f"a group of status {status!r} in the replay buffer")
     return group
@@ -404,7 +405,7 @@ class ForeignTrainer:
             self._dead_letter(task, entry_id, fields, reason, deliveries)
             return None
         try:
-            group = decode_group(entry_id, fields)
+            group = decode_group(entry_id, fields, task)
         except Undecodable as exc:
             self._dead_letter(task, entry_id, fields, f"undecodable group entry: {exc}", deliveries)
             return None
@@ -461,10 +462,11 @@ class ForeignTrainer:
     # --- settles (§11.3, §11.4) --------------------------------------------------------
 
     def _settle(
-        self, task: str, entry_id: str, dest: str | None, fields: dict[str, Any], counter: str
+        self, task: str, entry_id: str, dest: str | None, fields: dict[str, Any], *counters: str
     ) -> bool:
         """A fenced settle: append ``fields`` to rs:{run}:{dest}[:task] (if any), ack + delete
-        the entry and count it, only while the entry is still pending for this consumer."""
+        the entry and count it in each of ``counters``, only while the entry is still pending
+        for this consumer."""
         stream = self.groups(task)
         key = (
             None
@@ -483,7 +485,8 @@ class ForeignTrainer:
                         pipe.xadd(key, fields)
                     pipe.xack(stream, TRAINER, entry_id)
                     pipe.xdel(stream, entry_id)
-                    pipe.hincrby(self.progress, f"{task}:{counter}", 1)
+                    for counter in counters:
+                        pipe.hincrby(self.progress, f"{task}:{counter}", 1)
                     pipe.execute()
                     return True
                 except redis.WatchError:
@@ -502,7 +505,7 @@ class ForeignTrainer:
         for name, value in fields.items():
             text = name.decode("utf-8", "replace")
             dead[f"orig.{text}" if text in dead else text] = value
-        return self._settle(task, entry_id, "dead", dead, "dead")
+        return self._settle(task, entry_id, "dead", dead, "dead", "groups_dead")
 
     def _dead_letter_gone(self, task: str, entry_id: str, deliveries: int) -> None:
         """An entry deleted while another consumer held it, which XCLAIM dropped (Redis 7)."""
@@ -516,6 +519,7 @@ class ForeignTrainer:
             pipe.xack(self.groups(task), TRAINER, entry_id)
             pipe.xadd(f"{self.base}:dead", dead)
             pipe.hincrby(self.progress, f"{task}:dead", 1)
+            pipe.hincrby(self.progress, f"{task}:groups_dead", 1)
             pipe.execute()
 
     def expire(self, group: Group) -> bool:
@@ -782,6 +786,7 @@ def test_a_trainer_written_from_the_stream_format_trains_with_real_producers(
         for g in r.groups:
             assert 0 <= r.step - g.oldest_version - 1 < THRESHOLD, (r.step, g.group_id, g.oldest_version)
             assert g.model_step == g.oldest_version
+            assert g.warnings == [], (g.group_id, g.warnings)  # real producers' copies agree (§5.2.2)
     # Rewards line up with their samples' texts and the prompt's answer (the math judge)
     for g in records[0].groups + records[-1].groups:
         answer = g.prompt["meta"]["answer"]
@@ -814,7 +819,7 @@ def test_a_trainer_written_from_the_stream_format_trains_with_real_producers(
     progress = {k.decode(): int(float(v)) for k, v in client.hgetall(f"{base}:progress").items()}
     assert progress["math:consumed"] == sum(trained.values()) == STEPS * BATCH
     assert progress["math:expired"] == len(expired)
-    assert progress["math:dead"] == 1
+    assert progress["math:dead"] == progress["math:groups_dead"] == 1  # §11.4: both, always
     state = client.hgetall(f"{base}:state")
     assert (state[b"train_step"], state[b"model_step"]) == (str(STEPS).encode(), str(STEPS).encode())
     assert not any(k.startswith(b"producer:") for k in state), "clean stops remove their heartbeats"

@@ -294,17 +294,18 @@ def test_restarted_trainer_gets_the_uncommitted_groups_again(make) -> None:  # t
     assert restarted.client.xlen(restarted.keys.groups("math")) == 0
 
 
-def test_group_that_keeps_crashing_the_trainer_is_dead_lettered(make) -> None:  # type: ignore[no-untyped-def]
+def test_trainer_restarts_are_not_charged_against_its_groups(make, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A trainer killed before its commit more often than max_attempts re-reads the same
+    groups every time: a kill from outside is not a poison group. Past max_attempts it
+    says which groups and how to move one by hand."""
     producer = make("p", max_attempts=2)
     producer.feed(prompts("math", 1))
     (claim,) = producer.claim("math", 1)
     producer.complete(claim, group_for(claim.prompt))
-    for _ in range(2):  # two trainer lives that die before committing
+    for _ in range(4):  # four trainer lives that die before committing
         assert len(make("trainer", max_attempts=2).read_batch("math", 1)) == 1
-    assert len(make("trainer", max_attempts=2).read_batch("math", 1)) == 0
-    ((_, dead),) = producer.client.xrange(producer.keys.dead)
-    assert dead[b"attempts"] == b"3"
-    assert dead[b"group_id"] == b"math:u0"
+    assert producer.client.xlen(producer.keys.dead) == 0
+    assert "rollstream dead-letter groups:math" in caplog.text
 
 
 def test_entry_deleted_while_pending_becomes_a_dead_letter_once(make) -> None:  # type: ignore[no-untyped-def]

@@ -37,6 +37,7 @@ def formation_env(tmp_path: Path, run: str) -> dict[str, str]:
         ROLLSTREAM_RUN=run,
         ROLLSTREAM_REDIS__URL=f"redis://127.0.0.1:{free_port()}/0",
         ROLLSTREAM_REDIS_DIR=str(tmp_path / "redis"),
+        ROLLSTREAM_TRAINER_RECORD=str(tmp_path / "trainer.json"),
         ROLLSTREAM_STEPS=str(STEPS),
     )
     return values

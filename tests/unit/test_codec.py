@@ -75,10 +75,12 @@ def groups(draw: st.DrawFn) -> Group:
     shared = draw(st.booleans())
     ids = draw(st.lists(INT32, max_size=12)) if shared else None
     items = draw(st.lists(samples(ids), max_size=5))
+    # model_step is the oldest token version (§5.2.2); only a group without tokens has any
+    versions = [int(s.response_versions.min()) for s in items if len(s.response_versions)]
     return Group.for_prompt(
         prompt,
         samples=items,
-        model_step=draw(st.integers(-1, 100)),
+        model_step=min(versions) if versions else draw(st.integers(-1, 100)),
         attempt=draw(st.integers(1, 5)),
         producer=draw(st.text(max_size=10)),
         created_at=draw(st.floats(0, 2e9)),

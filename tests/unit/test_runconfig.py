@@ -138,3 +138,28 @@ def test_a_nested_section_that_is_not_json_names_its_variable(monkeypatch: pytes
     with pytest.raises(SettingsError) as excinfo:
         load_settings()
     assert str(excinfo.value).startswith("invalid setting rollout (ROLLSTREAM_ROLLOUT): not valid JSON")
+
+
+def test_the_protocols_numbers_are_published_with_the_settings_not_compared(
+    fake_client: redis.Redis, make_settings: SettingsFactory
+) -> None:
+    keys = Keys(make_settings().run)
+    first = make_settings(
+        buffer={"claim_idle_ms": 30_000, "max_attempts": 5},
+        process={"liveness_ttl_s": 12.0, "stop_timeout_s": 20.0},
+        producer={"heartbeat_s": 1.5},
+        rollout={"max_staleness": 2, "sync_weights_interval": 2},
+    )
+    assert check_run_settings(fake_client, keys, first, "trainer") is True
+    # what a trainer of another framework reads instead of guessing (docs/stream-format.md §10)
+    assert published(fake_client, keys)["protocol"] == {
+        "buffer.claim_idle_ms": 30_000,
+        "buffer.max_attempts": 5,
+        "process.liveness_ttl_s": 12.0,
+        "process.stop_timeout_s": 20.0,
+        "producer.heartbeat_s": 1.5,
+        "rollout.stale_threshold": 6,
+    }
+    later = make_settings(rollout={"max_staleness": 2, "sync_weights_interval": 2})  # other defaults
+    assert check_run_settings(fake_client, keys, later, "producer-1") is False  # the run's stay
+    assert published(fake_client, keys)["protocol"]["buffer.claim_idle_ms"] == 30_000

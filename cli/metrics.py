@@ -1,0 +1,50 @@
+"""``rollstream metrics``: the run's Redis-side figures for Prometheus, one process per run.
+
+Why a process of its own (a Procfile line) rather than the trainer: the figures an
+operator needs most (the queue growing, claims pending, producers gone) matter most
+when the trainer is down or stuck, and a run may train with a trainer of its own that
+is not ours. One collector per run reads Redis once per scrape, whatever the number
+of producers (shared/runmetrics.py); every process serves its own figures besides
+(shared/telemetry.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from rollstream.cli.process import running
+from rollstream.shared import telemetry
+from rollstream.shared.connection import connect
+from rollstream.shared.keys import Role
+from rollstream.shared.runmetrics import RunCollector
+from rollstream.shared.settings import Settings
+
+log = logging.getLogger("rollstream")
+# a producer whose heartbeat is older than this many of its periods counts as gone
+PRODUCER_BEATS_MISSED = 3
+
+
+def serve_run_metrics(settings: Settings, stop: threading.Event) -> int:
+    """Serve the run's figures (and this process's own) until SIGTERM or the run's stop
+    event. A metrics port is required: metrics.port or $PORT."""
+    tasks = [t.name for t in settings.tasks]
+    # served here, required; the process wrapper's own serving finds it served already
+    with (
+        telemetry.serving(settings, Role.METRICS, required=True) as port,
+        running(settings, Role.METRICS, stop, port=port, tasks=",".join(tasks)) as process,
+    ):
+        if process is None:
+            return 0
+        # a client of its own that does not ride out outages: a scrape during one answers
+        # at once with rollstream_run_up 0 instead of hanging
+        client = connect(settings.redis, check=False, ride_out=False)
+        max_age_s = PRODUCER_BEATS_MISSED * settings.producer.heartbeat_s
+        unregister = telemetry.register(RunCollector(client, process.keys, tasks, max_age_s))
+        try:
+            log.info("metrics: run %r's figures at :%s/metrics", settings.run, port)
+            stop.wait()
+        finally:
+            unregister()
+            client.close()
+    return 0
