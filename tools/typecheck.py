@@ -17,6 +17,7 @@ Other arguments are mypy's own; the exit status is mypy's (0 clean, 1 errors).
 
 from __future__ import annotations
 
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -60,7 +61,8 @@ def main(argv: list[str]) -> int:
     # mypy's own option parsing (and pyproject.toml's [tool.mypy]); the package needs no
     # target of its own
     targets, options = process_options(argv, require_targets=False)
-    sources = [BuildSource(str(path.relative_to(ROOT)), module) for module, path in modules.items()]
+    # paths as the caller sees them, so that errors name the source files from where it runs
+    sources = [BuildSource(os.path.relpath(path), module) for module, path in modules.items()]
     sources += [s for s in targets if s.module not in modules]
     try:
         result = build.build(sources, options)
