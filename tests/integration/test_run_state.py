@@ -118,3 +118,24 @@ def test_a_group_of_empty_responses_has_the_step_it_was_made_at(
     assert all(s.response_ids.size == 0 for g in batch.groups for s in g.samples)
     assert batch.expired == 0
     batch.commit()
+
+
+def test_a_progress_counter_that_is_not_a_number_stops_the_producer_naming_the_key(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    settings = load_settings(
+        run=run_name,
+        redis={"url": redis_server.url},
+        tasks=[{"name": "math", "n": 2}],
+        engines={"kind": "tests.plugins.engine:make", "count": 1},
+        rollout={"batch_size": 2},
+        producer={"is_valid": "keep_all"},
+    )
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    client.hset(keys.progress, "math:produced_tokens", "lots")  # one the settle adds to
+    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer.buffer.feed(prompts("math", 4))
+    # was: every group failed with a logged ResponseError, its claim left pending, for ever
+    with pytest.raises(CorruptValueError, match=r"rs:\{t\w+\}:progress field math:produced_tokens is 'lots'"):
+        asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
