@@ -252,6 +252,9 @@ def dead_letter(settings: Settings, stream: str, entry_id: str, reason: str) -> 
         raise InputError("dead-letter: --reason must say why (it is stored with the dead letter)")
     buffer = ReplayBuffer(connect(settings.redis), settings, default_consumer_name("operator"))
     dead, owner, deliveries = buffer.dead_letter_by_hand(kind, task, entry_id, reason)
+    if deliveries < 0:
+        print(f"{keys.stream(kind, task)} {entry_id} is in {keys.dead} already, as {dead}: nothing done")
+        return 0
     held = f"pending for {owner}, delivered {deliveries} times" if owner else "not pending"
     print(f"{keys.stream(kind, task)} {entry_id} ({held}) moved to {keys.dead} as {dead}: by hand: {reason}")
     return 0

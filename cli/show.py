@@ -27,7 +27,7 @@ from rollstream.shared.records import Group, IdArray, Prompt
 from rollstream.shared.settings import Settings
 
 # Streams of the run as a whole; the others are per task (shared/keys.py).
-RUN_KINDS = ("events", "dead", "metrics")
+RUN_KINDS = ("events", "dead", "filtered", "metrics")
 KINDS = (PROMPTS, ABORTED, EXPIRED, EVALS, GROUPS, *RUN_KINDS)
 TEXT_CHARS = 80  # of each sample's text
 PROMPT_CHARS = 200  # of a prompt, or of each chat message
@@ -42,7 +42,7 @@ _DECIMAL = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 # ReplayBuffer.dead_letter): --json gives these as numbers and every other field as the text
 # Redis holds, so that a value like a format version "1.0" is never taken for a number.
 # Metrics records (Producer.record_metrics) are numbers but for their producer's name.
-NUMBERS = {"events": {"model_step", "ts"}, "dead": {"attempts"}}
+NUMBERS = {"events": {"model_step", "ts"}, "dead": {"attempts"}, "filtered": {"attempt", "n", "reward_mean"}}
 METRICS_TEXT = {"producer"}
 
 

@@ -129,12 +129,16 @@ class Feeder:
         return raw, cursor
 
     def _file_stamp(self) -> tuple[int, int]:
-        stat = self.path.stat()
+        try:
+            stat = self.path.stat()
+        except OSError as exc:
+            raise InputError(f"{self.path}: cannot read it any more: {exc.strerror or exc}") from None
         return stat.st_size, stat.st_mtime_ns
 
     def _rows(self, indices: np.ndarray, epoch: int) -> list[Prompt]:
         if self._file_stamp() != self._stamp:
-            raise FeederError(
+            # an input-file problem like any other (exit 2), not a feeder's disagreement
+            raise InputError(
                 f"{self.path} changed since the feeder read it (size or modification time): "
                 "its rows are read again by offset, so restart the feeder (a changed file is a new dataset)"
             )

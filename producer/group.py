@@ -15,12 +15,15 @@ was taken over by another producer meanwhile: nothing written).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import redis
 
@@ -40,6 +43,7 @@ from rollstream.shared.telemetry import group_completed, group_generated, judge_
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
 DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
 SAMPLING_META = "sampling"  # a prompt's own temperature / top_p, over the producer's (prompt_sampling)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -132,6 +136,49 @@ class Completions:
                 future.set_result(outcome[i])
 
 
+class SerialThread:
+    """Runs calls one at a time in a daemon thread of its own, off the event loop. A
+    daemon, unlike an executor's thread: a call that never returns (a hung judge) cannot
+    keep the process from exiting once its group has been handed back at a stop."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._calls: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+            self._thread.start()
+        self._calls.put((loop, future, fn, args))
+        return await future
+
+    def _serve(self) -> None:
+        while True:
+            loop, future, fn, args = self._calls.get()
+            if future.cancelled():  # its group was handed back meanwhile
+                continue
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:
+                result, error = None, exc
+
+            def settle(
+                future: asyncio.Future[Any] = future, result: Any = result, error: Any = error
+            ) -> None:
+                if future.done():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+            with contextlib.suppress(RuntimeError):  # the loop is gone
+                loop.call_soon_threadsafe(settle)
+
+
 class GroupFailed(Exception):
     """Every attempt at a group failed; the message says why the last one did."""
 
@@ -164,7 +211,7 @@ class GroupRunner:
         # an in-process judge runs here, one group at a time as it did inline, never on the
         # event loop: a slow one would freeze the producer (its weight syncs, the proxy's
         # HTTP server, every other group)
-        self._judging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge")
+        self._judging = SerialThread("judge")
         self.retries = 0
         self.window = Window()  # what completed groups brought since the last metrics record
 
@@ -330,8 +377,7 @@ class GroupRunner:
 
     async def score(self, group: Group) -> None:
         if self.rq_judge is None:
-            loop = asyncio.get_running_loop()
-            rewards = await loop.run_in_executor(self._judging, self.judge, group.prompt, group.samples)
+            rewards = await self._judging.call(self.judge, group.prompt, group.samples)
         else:
             job = await asyncio.to_thread(self.rq_judge.submit, group.prompt, group.samples)
             # rq retries a failed or killed job itself: wait for every try

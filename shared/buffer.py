@@ -468,7 +468,7 @@ class ReplayBuffer:
         batch = Batch(task)
         for entry in entries:
             try:
-                batch.items.append(BatchItem(entry, codec.decode_group(entry.fields, task)))
+                batch.items.append(BatchItem(entry, codec.decode_group(entry.fields, task, trainable=True)))
             except DecodeError as exc:
                 self.dead_letter(entry, str(exc))
             except FormatError as exc:
@@ -581,8 +581,9 @@ class ReplayBuffer:
         no reader of this version can read, a group that crashes the trainer), pending or
         not, whoever holds it: counted in ``dead`` (and ``groups_dead`` for a group) like
         every dead letter, its holder's settle fenced off. Returns the dead letter's id,
-        the consumer that held the entry ('' when none) and its deliveries;
-        ReplayBufferError when the stream has no such entry."""
+        the consumer that held the entry ('' when none) and its deliveries (-1: it was
+        moved already, by an earlier call); ReplayBufferError when the stream has no such
+        entry."""
         if kind not in GROUP_OF_KIND:
             raise ReplayBufferError(
                 f"{kind!r} is not a stream kind with entries to dead-letter ({', '.join(GROUP_OF_KIND)})"

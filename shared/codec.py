@@ -475,16 +475,21 @@ def _ascii(text: str, chars: int) -> str:
     return shown + "..." if len(head) < len(text) else shown
 
 
-def decode_group(fields: RawFields, task: str | None = None) -> Group:
+def decode_group(fields: RawFields, task: str | None = None, *, trainable: bool = False) -> Group:
     """A group entry, checked as docs/stream-format.md §5.2.2 says: DecodeError (a dead
     letter) for what a reader cannot train on safely, a warning for plain fields that
     disagree with the packed ones. ``task``: the task of the stream it was read from,
-    which the entry's own must be."""
+    which the entry's own must be. ``trainable``: read from the replay buffer to be
+    trained on, so the group and every sample must be completed."""
     check_format(fields.get(b"format"), "a group entry")
     try:
         group = _decode_group(fields)
         if task is not None and group.task != task:
             raise DecodeError(f"task {_shown(group.task)} in a stream of task {_shown(task)}")
+        statuses = {group.status, *(s.status for s in group.samples)} if trainable else set()
+        if statuses - {Status.COMPLETED}:
+            shown = ", ".join(sorted(str(status) for status in statuses))
+            raise DecodeError(f"a group with status {shown} in the replay buffer, where all are completed")
         return group
     except DecodeError as exc:
         raise DecodeError(f"undecodable group entry: {exc}", fields) from None

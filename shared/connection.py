@@ -23,8 +23,8 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from rollstream.shared import telemetry
-from rollstream.shared.errors import RedisTooOld, RedisUnavailable
-from rollstream.shared.settings import RedisSettings, redact_url
+from rollstream.shared.errors import RedisTooOld, RedisUnavailable, SettingsError
+from rollstream.shared.settings import ENV_PREFIX, RedisSettings, redact_url
 from rollstream.shared.waiting import NotYet, wait_until
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM and XPENDING ... IDLE
@@ -132,6 +132,12 @@ def check_server(client: redis.Redis, url: str) -> str:
     except redis.ResponseError as exc:
         if str(exc).startswith("LOADING"):  # a restarted server still reading its AOF
             raise RedisUnavailable(shown, "loading its data set") from None
+        if "DB index is out of range" in str(exc):  # the SELECT of the URL's /N
+            raise SettingsError(
+                f"invalid setting redis.url ({ENV_PREFIX}REDIS__URL): {shown} names database "
+                f"{client.connection_pool.connection_kwargs.get('db')}, which the server does not have "
+                "(its `databases` setting, 16 by default, numbers them from 0)"
+            ) from None
         raise RedisUnavailable(shown, f"the server refused: {exc}", retryable=False) from None
     parsed = tuple(int(p) for p in version.split(".")[:2])
     if parsed < MIN_VERSION:

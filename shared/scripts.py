@@ -189,7 +189,8 @@ return {cursor, out}
 # An operator's dead letter of one entry, pending or not, whoever holds it: appends the
 # dead letter, acks and deletes the entry, counts it, and bumps the fence (a settle of its
 # holder in flight then finds it gone and writes nothing). Returns {dead letter id, owner
-# ('' when not pending), deliveries}, or an error NOENTRY when the stream has no such entry.
+# ('' when not pending), deliveries}; {its dead letter's id, '', -1} when one of the newest
+# 1000 dead letters is that entry already; else an error NOENTRY.
 DEAD_LETTER_BY_HAND = (
     _DEAD_LETTER_FN
     + _CHECK_COUNTER_FN
@@ -199,6 +200,11 @@ if t ~= 'stream' then return redis.error_reply('NOENTRY ' .. KEYS[1] .. ' is not
 local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if not entry and #pending == 0 then
+  -- moved already (this very call sent again after a lost reply, or typed twice)?
+  for _, dead in ipairs(redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1000)) do
+    local f = dead[2]
+    if f[6] == KEYS[1] and f[8] == ARGV[2] then return {dead[1], '', -1} end
+  end
   return redis.error_reply('NOENTRY no entry ' .. ARGV[2] .. ' in ' .. KEYS[1])
 end
 check_counter(KEYS[3], ARGV[4])

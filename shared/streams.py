@@ -119,6 +119,18 @@ def refused(error: Exception, replies: Sequence[Any], what: str) -> Exception:
     return error
 
 
+_CORRUPT_COUNTER = re.compile(r"progress field (\S+) is not a number: (.*)", re.S)
+
+
+def corrupt_counter(error: Exception, progress: str) -> CorruptValueError | None:
+    """A script's refusal of a progress counter that is not a number, as the error that
+    names the key (every settle would fail on it again: a process stops on it)."""
+    match = _CORRUPT_COUNTER.search(str(error))
+    if match is None:
+        return None
+    return CorruptValueError(progress, match.group(1), match.group(2), "a count")
+
+
 @dataclass(slots=True)
 class Entry:
     """One stream entry as read through a consumer group."""
@@ -235,7 +247,9 @@ class ConsumerStreams:
             if isinstance(done, Exception):  # EXECABORT: Redis refused a queued write
                 raise refused(done, replies, f"a settle of {len(todo)} entries of {settles[0].entry.stream}")
             if isinstance(verdict, Exception):
-                raise refused(verdict, replies, f"the gate of a settle of {settles[0].entry.stream}")
+                raise corrupt_counter(verdict, self.keys.progress) or refused(
+                    verdict, replies, f"the gate of a settle of {settles[0].entry.stream}"
+                )
             if verdict != 1:  # the positions (1-based) of entries reclaimed by another
                 if done is not None:  # pragma: no cover - only if WATCH were not honoured
                     raise ReplayBufferError(f"settle of {len(todo)} entries ran although its gate refused")

@@ -27,6 +27,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from rollstream.shared.errors import SettingsError
@@ -288,6 +289,14 @@ def train_step(
             gauge.labels(**labels()).set(figure)
 
 
+ENGINE_METRICS = (
+    "rollstream_engine_outstanding_requests",
+    "rollstream_engine_busy_ratio",
+    "rollstream_engine_model_step",
+    "rollstream_engine_up",
+)
+
+
 class EngineCollector(Collector):
     """The engines' own figures, asked of them at each scrape (the engines process):
     requests outstanding, busy fraction and model step per engine."""
@@ -303,19 +312,17 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         names = [*BASE, "engine"]
         outstanding = GaugeMetricFamily(
-            "rollstream_engine_outstanding_requests",
+            ENGINE_METRICS[0],
             "Requests an engine holds (running + queued)",
             labels=names,
         )
         busy = GaugeMetricFamily(
-            "rollstream_engine_busy_ratio",
+            ENGINE_METRICS[1],
             "Decode capacity an engine uses, averaged since it started (0 idle .. 1 saturated)",
             labels=names,
         )
-        step = GaugeMetricFamily(
-            "rollstream_engine_model_step", "The model step an engine holds", labels=names
-        )
-        up = GaugeMetricFamily("rollstream_engine_up", "1 when the engine answered this scrape", labels=names)
+        step = GaugeMetricFamily(ENGINE_METRICS[2], "The model step an engine holds", labels=names)
+        up = GaugeMetricFamily(ENGINE_METRICS[3], "1 when the engine answered this scrape", labels=names)
         try:
             healths = list(self.probe())
         except Exception as exc:
@@ -336,3 +343,20 @@ def register(collector: Collector) -> Callable[[], None]:
     """Add a collector to what this process serves; returns what removes it."""
     REGISTRY.register(collector)
     return lambda: REGISTRY.unregister(collector)
+
+
+def exported_names() -> set[str]:
+    """Every sample name this module's figures show in a scrape (counters with
+    ``_total``, histograms as ``_bucket``, ``_sum`` and ``_count``), for checks of the
+    dashboard's queries; the run collector's are shared/runmetrics.py's."""
+    metrics = [v for v in globals().values() if isinstance(v, MetricWrapperBase)]
+    names = set(ENGINE_METRICS)
+    for metric in [*metrics, *TRAINER_FIGURES.values()]:
+        for family in metric.describe():
+            if family.type == "counter":
+                names.add(f"{family.name}_total")
+            elif family.type == "histogram":
+                names |= {f"{family.name}{suffix}" for suffix in ("_bucket", "_sum", "_count")}
+            else:
+                names.add(family.name)
+    return names

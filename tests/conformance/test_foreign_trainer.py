@@ -127,7 +127,7 @@ def _decode_group(entry_id: str, fields: dict[bytes, bytes], stream_task: str | 
     meta = orjson.loads(fields[b"meta"])
     packed = {name: fields[name.encode()] for name in ("prompt_ids", "response_ids", "logprobs")}
     task, group_id = fields[b"task"].decode(), fields[b"group_id"].decode()
-    producer, status = fields[b"producer"].decode(), fields[b"status"].decode()
+    producer, group_status = fields[b"producer"].decode(), fields[b"status"].decode()
     if any(len(value) % 4 for value in packed.values()):
         raise Undecodable("a packed field is not a whole number of 4-byte values")
     prompt_ids = np.frombuffer(packed["prompt_ids"], dtype="<i4")
@@ -221,8 +221,8 @@ def _decode_group(entry_id: str, fields: dict[bytes, bytes], stream_task: str | 
         mean_ok = False
     if not mean_ok:
         group.warnings.append("reward_mean")
-    if status != "completed" or any(s.status != "completed" for s in samples):
-        raise Undecodable(f"a group of status {status!r} in the replay buffer")
+    if group_status != "completed" or any(s.status != "completed" for s in samples):
+        raise Undecodable(f"a group of status {group_status!r} in the replay buffer")
     return group
 
 

@@ -34,6 +34,7 @@ CATEGORIES = [
     "+@keyspace",
     "+@pubsub",
     "-@dangerous",
+    "+time",  # heartbeats and batch leases are stamped on the server's clock
 ]
 PASSWORD = "s3cret-pw"
 

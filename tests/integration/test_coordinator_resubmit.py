@@ -3,11 +3,14 @@ real redis-server. The groups are made by hand: what is tested is the bookkeepin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rollstream.consumer.coordinator import BatchCoordinator
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.keys import Keys
 from tests.helpers import group_for, prompts
 from tests.integration.test_coordinator import coordinator, coordinator_settings
 
@@ -86,3 +89,9 @@ def test_a_uid_twice_in_one_batch_is_refused(redis_server: EmbeddedRedis, run_na
     with pytest.raises(ValueError, match=r"batch 'b6': prompt math:u1 is given twice"):
         coord.submit_batch("b6", [*prompts("math", 2), *prompts("math", 1, start=1)])
     assert coord.client.xlen(coord.keys.prompts("math")) == 0
+
+
+def test_a_batchs_fed_set_is_named_as_documented() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "stream-format.md").read_text(encoding="utf-8")
+    assert Keys("r1").batch_fed("b1", "math") == "rs:{r1}:batch:b1:fed:math"
+    assert "| `rs:{run}:batch:{batch}:fed:{task}` | set |" in doc

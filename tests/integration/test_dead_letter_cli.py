@@ -105,9 +105,13 @@ def test_dead_letter_moves_a_pending_prompt_and_refuses_what_is_not_there(
     # its holder's settle, later, writes nothing: the entry is not its own any more
     assert producer.complete(claim, group_for(claim.prompt)) is None
     assert client.xlen(keys.groups("math")) == 0
+    # the same move again (typed twice, or sent again after a lost reply) does nothing
+    again = _run(env, "dead-letter", "prompts:math", claim.entry.id, "--reason", "again")
+    assert again.returncode == 0 and "already" in again.stdout, again.stderr[-2000:]
+    assert (_count(client, keys, Count.DEAD), client.xlen(keys.dead)) == (1, 1)
     # an entry that is not there, a stream that is not the run's, an id that is not one
-    gone = _run(env, "dead-letter", "prompts:math", claim.entry.id, "--reason", "again")
-    assert gone.returncode == 1 and f"no entry {claim.entry.id}" in gone.stderr
+    gone = _run(env, "dead-letter", "prompts:math", "1-0", "--reason", "again")
+    assert gone.returncode == 1 and "no entry 1-0" in gone.stderr
     assert _run(env, "dead-letter", "nothing:math", "1-0", "--reason", "x").returncode == 2
     assert _run(env, "dead-letter", "groups:math", "latest", "--reason", "x").returncode == 2
     assert client.xlen(keys.dead) == 1

@@ -20,6 +20,7 @@ import redis
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import PRODUCERS, TRAINER
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts, wait_for, wait_idle
@@ -268,7 +269,7 @@ def test_scripts_check_before_the_first_write(make) -> None:  # type: ignore[no-
     producer.feed(prompts("math", 1))
     (claim,) = producer.claim("math", 1)
     producer.client.hset(producer.keys.progress, "math:completed", "not a number")
-    with pytest.raises(redis.ResponseError, match="not a number"):
+    with pytest.raises(CorruptValueError, match=r":progress field math:completed is 'not a number'"):
         producer.complete(claim, group_for(claim.prompt))
     # nothing was written: no group appended, the prompt still pending for this producer
     assert producer.client.xlen(producer.keys.groups("math")) == 0

@@ -5,7 +5,11 @@ an auditor reconciles prompt by prompt and not only against the filtered counter
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
+import orjson
 import pytest
 import redis
 
@@ -60,3 +64,23 @@ def test_a_fenced_drop_writes_no_record(real_buffer: BufferFactory) -> None:
     a.client.xgroup_delconsumer(a.keys.prompts("math"), "producers", "producer-a")  # not a's any more
     assert a.drop(claim, group_for(claim.prompt)) is False
     assert b.client.xlen(b.keys.filtered) == 0
+
+
+def test_show_filtered_lists_them_by_uid(
+    real_buffer: BufferFactory, run_name: str, redis_server: EmbeddedRedis
+) -> None:
+    producer = real_buffer("producer-a")
+    producer.feed(prompts("math", 2))
+    for claim in producer.claim("math", 2):
+        assert producer.drop(claim, group_for(claim.prompt)) is True
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    env |= {"ROLLSTREAM_REDIS__URL": redis_server.url, "ROLLSTREAM_RUN": run_name}
+    done = subprocess.run(
+        [sys.executable, "-m", "rollstream.cli.main", "show", "filtered", "--json"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    shown = [orjson.loads(line)["fields"] for line in done.stdout.splitlines()]
+    assert [(s["uid"], s["group_id"], s["n"], s["reward_mean"]) for s in shown] == [
+        ("u0", "math:u0", 4, 0.5), ("u1", "math:u1", 4, 0.5),
+    ]  # fmt: skip

@@ -289,3 +289,28 @@ def test_a_stalled_redis_holds_the_groups_but_not_the_event_loop(
         admin.execute_command("CLIENT", "UNPAUSE")
     completed = producer.stats.outcomes.get("completed", 0)
     wait_for(lambda: producer.stats.outcomes.get("completed", 0) > completed, timeout=30)
+
+
+@pytest.mark.timeout(90)
+def test_a_stop_while_the_in_process_judge_hangs_hands_the_group_back(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    JUDGING.clear()
+    RELEASE.clear()
+    producer = make(redis_server, run_name, producer={"judge": f"{__name__}:HeldJudge"})
+    producer.settings.process.stop_timeout_s = 1.0  # in-flight groups get 0.5 s to finish
+    producer.buffer.feed(prompts("math", 1))
+    running = Running(producer).start()
+    try:
+        assert JUDGING.wait(30)
+        # When the producer stops while its judge hangs (before the fix the judge held the
+        # event loop, and the stop with it, until the judge returned)
+        started = time.monotonic()
+        running.stop()
+        assert time.monotonic() - started < 10
+        # Then the group went back to the aborted pool, for another producer to redo
+        assert producer.stats.outcomes == {}
+        assert producer.buffer.client.xlen(producer.buffer.keys.aborted("math")) == 1
+        assert producer.buffer.running("math") == 0
+    finally:
+        RELEASE.set()

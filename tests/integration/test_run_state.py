@@ -118,3 +118,39 @@ def test_a_group_of_empty_responses_has_the_step_it_was_made_at(
     assert all(s.response_ids.size == 0 for g in batch.groups for s in g.samples)
     assert batch.expired == 0
     batch.commit()
+
+
+def test_a_progress_counter_that_is_not_a_number_stops_the_producer_naming_the_key(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    settings = load_settings(
+        run=run_name,
+        redis={"url": redis_server.url},
+        tasks=[{"name": "math", "n": 2}],
+        engines={"kind": "tests.plugins.engine:make", "count": 1},
+        rollout={"batch_size": 2},
+        producer={"is_valid": "keep_all"},
+    )
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    client.hset(keys.progress, "math:produced_tokens", "lots")  # one the settle adds to
+    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer.buffer.feed(prompts("math", 4))
+    # was: every group failed with a logged ResponseError, its claim left pending, for ever
+    with pytest.raises(CorruptValueError, match=r"rs:\{t\w+\}:progress field math:produced_tokens is 'lots'"):
+        asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
+
+
+@pytest.mark.parametrize("command", [("status",), ("check",), ("steps",)])
+def test_a_redis_url_naming_a_database_the_server_lacks_is_a_settings_error(
+    redis_server: EmbeddedRedis, run_name: str, capsys: pytest.CaptureFixture[str], command: tuple[str, ...]
+) -> None:
+    url = redis_server.url.rsplit("/", 1)[0] + "/99"
+    assert cli_at(url, run_name, *command) == 2  # a setting to fix, not an outage to wait out (3)
+    err = capsys.readouterr().err
+    assert "invalid setting redis.url (ROLLSTREAM_REDIS__URL)" in err and "database 99" in err, err
+    assert "not reachable" not in err
+
+
+def cli_at(url: str, run: str, *args: str) -> int:
+    return main(["--redis-url", url, "--run", run, *args])

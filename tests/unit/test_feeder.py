@@ -103,3 +103,21 @@ def test_bad_line_stops_the_feeder_before_anything_is_written(
     assert buffer.client.exists(buffer.keys.prompts("math")) == 0
     with pytest.raises(InputError, match="--epochs"):
         Feeder(buffer, path, "math", epochs=0)
+
+
+@pytest.mark.parametrize("change", ["rewritten", "deleted"])
+def test_a_file_changed_under_the_feeder_is_an_input_error(
+    fake_buffer: BufferFactory, dataset: Path, change: str
+) -> None:
+    feeder = Feeder(fake_buffer("feeder"), dataset, "math", epochs=2, keep_ahead=4)
+    raw, cursor = feeder.start_cursor()
+    raw, cursor, _ = feeder.step(raw, cursor)
+    if change == "deleted":
+        dataset.unlink()
+    else:
+        dataset.write_bytes(dataset.read_bytes() + b'{"uid": "new", "prompt": "p"}\n')
+    drain(fake_buffer("producer"))
+    # exit 2, as every other problem of an input file (was FeederError: exit 1)
+    with pytest.raises(InputError, match=str(dataset)) as info:
+        feeder.step(raw, cursor)
+    assert not isinstance(info.value, FeederError)

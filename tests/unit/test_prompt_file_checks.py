@@ -9,7 +9,7 @@ import pytest
 
 from rollstream.producer.feeder import Feeder
 from rollstream.producer.prompts import read_prompt_file
-from rollstream.shared.errors import FeederError, InputError, PromptFileError
+from rollstream.shared.errors import InputError, PromptFileError
 
 
 def write(tmp_path: Path, *lines: str) -> Path:
@@ -76,7 +76,7 @@ def test_a_feeder_refuses_a_file_that_changed_under_it(tmp_path: Path, fake_buff
     path = write(tmp_path, '{"uid": "a", "prompt": "x"}', '{"uid": "b", "prompt": "y"}')
     feeder = Feeder(fake_buffer("feeder"), path, "math", keep_ahead=1)  # type: ignore[operator]
     path.write_text('{"uid": "c", "prompt": "a much longer prompt than before"}\n')
-    with pytest.raises(FeederError, match="changed since the feeder read it"):
+    with pytest.raises(InputError, match="changed since the feeder read it"):
         feeder.run()
 
 

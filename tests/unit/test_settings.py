@@ -95,3 +95,15 @@ def test_unknown_setting_is_an_error() -> None:
 def test_redact_url_hides_only_the_password(url: str, shown: str) -> None:
     assert redact_url(url) == shown
     assert "pw" not in redact_url(url).split("@")[0].replace("***", "")
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_a_number_setting_that_is_not_finite_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION", value)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert message.startswith("invalid setting engines.sim.time_compression")
+    assert "ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION" in message and "finite" in message

@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 import socket
 import urllib.request
+from typing import Any
 
 import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
+from rollstream.producer.engines.base import EngineHealth
 from rollstream.shared import telemetry
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import free_port
@@ -178,3 +180,40 @@ def test_the_run_collector_reads_redis_in_one_round_trip(fake_buffer: BufferFact
         == 2
     )
     assert len(calls) == 1
+
+
+def test_the_engines_figures_are_asked_of_them_at_each_scrape(run_name: str) -> None:
+    telemetry.identify(run_name, "engines")
+    answers: list[list[Any]] = [
+        [EngineHealth(True, 3, False, 5, 4, 1, 0.5, busy_total=0.75), None],
+        [
+            EngineHealth(True, 4, False, 0, 0, 0, 0.0, busy_total=0.5),
+            EngineHealth(True, 4, False, 2, 2, 0, 0.2),
+        ],
+    ]
+    registry = CollectorRegistry()
+    registry.register(telemetry.EngineCollector(lambda: answers.pop(0)))
+    engine = {"run": run_name, "role": "engines"}
+    first = {m.name: {s.labels["engine"]: s.value for s in m.samples} for m in registry.collect()}
+    assert first["rollstream_engine_up"] == {"0": 1.0, "1": 0.0}  # engine 1 did not answer
+    assert first["rollstream_engine_outstanding_requests"] == {"0": 5.0}
+    assert first["rollstream_engine_busy_ratio"] == {"0": 0.75}
+    assert first["rollstream_engine_model_step"] == {"0": 3.0}
+    assert (
+        registry.get_sample_value("rollstream_engine_model_step", {**engine, "engine": "1"}) == 4
+    )  # asked again
+    assert (
+        registry.get_sample_value("rollstream_engine_up", {**engine, "engine": "1"}) is None
+    )  # a third: no reply
+
+
+def test_a_probe_that_fails_is_a_warning_not_a_failed_scrape(
+    run_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def probe() -> list[Any]:
+        raise TimeoutError("engines gone")
+
+    registry = CollectorRegistry()
+    registry.register(telemetry.EngineCollector(probe))
+    assert [m.samples for m in registry.collect()] == [[], [], [], []]
+    assert "engines did not answer a probe: engines gone" in caplog.text

@@ -1,0 +1,230 @@
+"""A real Prometheus server scrapes a small formation run as processes (a producer on
+local engines, the reference trainer, `rollstream metrics`), each serving on the $PORT a
+process manager would give it; PromQL through Prometheus' HTTP API then finds the
+trained groups rising, every trained group within the staleness bound, and no entry
+pending once the run is over. Prometheus is Debian's package (`make test` installs it
+where it can): skipped where the binary is missing, failing in CI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollstream.shared.embedded import EmbeddedRedis, free_port
+from tests.conftest import CI
+from tests.helpers import wait_for
+from tests.unit.test_dashboard import DASHBOARD, queries
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 6
+BATCH = 4
+MAX_STALENESS = 1  # sync_weights_interval 1: a trained group is at most 1 step stale
+
+
+def prometheus_binary() -> str:
+    found = shutil.which("prometheus")
+    if found is None:
+        if CI:
+            raise RuntimeError("no prometheus binary: CI installs Debian's package (make test does)")
+        pytest.skip("no prometheus binary (apt-get install prometheus)")
+    return found
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+class Prometheus:
+    """A Prometheus server of the test's own: its config, its data, its port."""
+
+    def __init__(self, binary: str, tmp: Path, targets: dict[str, int]) -> None:
+        self.port = free_port()
+        jobs = "".join(
+            f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
+            for job, port in targets.items()
+        )
+        config = tmp / "prometheus.yml"
+        config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n{jobs}")
+        self.log = (tmp / "prometheus.log").open("wb")
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, "prometheus exited: see prometheus.log"
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    def query(self, promql: str) -> list[Any]:
+        try:
+            reply = get(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}")
+        except urllib.error.HTTPError as exc:  # a query Prometheus refuses: say which and why
+            raise AssertionError(f"{promql}: {exc.read().decode()[:500]}") from None
+        assert reply["status"] == "success", reply
+        return list(reply["data"]["result"])
+
+    def scalar(self, promql: str) -> float | None:
+        result = self.query(promql)
+        return float(result[0]["value"][1]) if result else None
+
+    def series(self, promql: str, start: float, end: float) -> list[float]:
+        params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"}
+        reply = get(f"{self.url}/api/v1/query_range?{urllib.parse.urlencode(params)}")
+        assert reply["status"] == "success", reply
+        (result,) = reply["data"]["result"]
+        return [float(v) for _, v in result["values"]]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The processes a test starts; whatever is left at its end is killed (by handle)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_prometheus_scrapes_a_formation_and_promql_sees_the_run(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    binary = prometheus_binary()
+    ports = {"producer": free_port(), "trainer": free_port(), "metrics": free_port()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLSTREAM_", "RAY_ADDRESS", "PORT"))}
+    env.update(
+        ROLLSTREAM_RUN=run_name,
+        ROLLSTREAM_REDIS__URL=redis_server.url,
+        ROLLSTREAM_TASKS='[{"name": "math", "n": 2}]',
+        ROLLSTREAM_ROLLOUT__BATCH_SIZE=str(BATCH),
+        ROLLSTREAM_ROLLOUT__MAX_STALENESS=str(MAX_STALENESS),
+        ROLLSTREAM_ENGINES__COUNT="2",
+        ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION="20",
+        ROLLSTREAM_ENGINES__SIM__MEDIAN_TOKENS="200",
+        ROLLSTREAM_PRODUCER__IS_VALID="keep_all",
+        ROLLSTREAM_PRODUCER__MAX_INFLIGHT="8",
+        ROLLSTREAM_PRODUCER__HEARTBEAT_S="0.5",
+    )
+    prompts = tmp_path / "math.jsonl"
+    prompts.write_text(
+        "".join(f'{{"uid": "q{i}", "prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(200))
+    )
+    cli = [sys.executable, "-m", "rollstream.cli.main"]
+    fed = subprocess.run(
+        [*cli, "feed", str(prompts), "--task", "math"], env=env, capture_output=True, timeout=60
+    )
+    assert fed.returncode == 0, fed.stderr[-2000:]
+
+    prometheus = Prometheus(binary, tmp_path, ports)
+    logs = {role: (tmp_path / f"{role}.log").open("wb") for role in ports}
+    try:
+        wait_for(prometheus.ready, timeout=60)
+        began = time.time()
+        commands = {
+            "metrics": ["metrics"],
+            "producer": ["produce", "--local-engines"],
+            "trainer": ["train", "--steps", str(STEPS), "--step-time", "1.0"],
+        }
+        procs = {}
+        for role, args in commands.items():  # each on its own $PORT, as honcho and foreman give
+            procs[role] = subprocess.Popen(
+                [*cli, *args],
+                env={**env, "PORT": str(ports[role])},
+                stdout=logs[role],
+                stderr=subprocess.STDOUT,
+            )
+            started.append(procs[role])
+        said = lambda role: (tmp_path / f"{role}.log").read_text()[-3000:]  # noqa: E731
+
+        # every process is scraped while it runs
+        up = [f'max_over_time(up{{job="{job}"}}[5m])' for job in ports]
+        wait_for(lambda: all(prometheus.scalar(query) == 1.0 for query in up), timeout=60)
+        assert procs["trainer"].wait(timeout=240) == 0, said("trainer")
+        # the producer stops (SIGTERM, as a process manager stops it): it hands its claims back
+        procs["producer"].send_signal(signal.SIGTERM)
+        assert procs["producer"].wait(timeout=60) == 0, said("producer")
+
+        run = f'run="{run_name}"'
+        pending = " + ".join(
+            f"sum(rollstream_stream_{kind}_pending{{{run}}})" for kind in ("prompts", "aborted", "groups")
+        )
+        # pending back to 0 at the end, as the metrics process (still running) reads it ...
+        wait_for(lambda: prometheus.scalar(pending) == 0.0, timeout=60)
+        # ... after claims were pending while the run went on
+        assert (prometheus.scalar(f"max_over_time(({pending})[5m:1s])") or 0) > 0
+        ended = time.time()
+
+        # trained groups rising, to the whole run's batches
+        rising = prometheus.series(f"sum(rollstream_groups_trained_total{{{run}}})", began, ended)
+        assert all(b >= a for a, b in itertools.pairwise(rising)), rising
+        assert len(set(rising)) >= 3, f"not seen rising, only {sorted(set(rising))}"
+        # the run-level counter the metrics process reads from Redis agrees
+        assert prometheus.scalar(f"rollstream_progress_consumed_total{{{run}}}") == STEPS * BATCH
+        assert prometheus.scalar(f"rollstream_train_step{{{run}}}") == STEPS
+
+        # every trained group within the staleness bound: none above MAX_STALENESS
+        total = prometheus.scalar(
+            f"sum(last_over_time(rollstream_trained_group_staleness_count{{{run}}}[5m]))"
+        )
+        bound = f"{run},le='{float(MAX_STALENESS)}'"
+        within = prometheus.scalar(
+            f"sum(last_over_time(rollstream_trained_group_staleness_bucket{{{bound}}}[5m]))"
+        )
+        assert total and total >= (STEPS - 1) * BATCH  # the last step may end after the last scrape
+        assert within == total
+        tokens = f"sum(last_over_time(rollstream_generated_tokens_total{{{run}}}[5m]))"
+        assert (prometheus.scalar(tokens) or 0) > 0
+
+        # every query of the Grafana dashboard is valid PromQL on this run's series
+        dashboard = json.loads(DASHBOARD.read_text())
+        empty = []
+        for expr in queries(dashboard, variables=False):
+            promql = expr.replace("$run", run_name).replace("$__rate_interval", "1m")
+            if not prometheus.query(promql):
+                empty.append(expr)
+        # a run on sim engines without a policy has no KL, ratios or loss, no judge failures,
+        # expiry, outages or engine actors (local engines); the rest shows
+        assert len(empty) < len(queries(dashboard, variables=False)) / 2, empty
+
+        procs["metrics"].send_signal(signal.SIGTERM)
+        assert procs["metrics"].wait(timeout=60) == 0, said("metrics")
+    finally:
+        prometheus.stop()
+        for handle in logs.values():
+            handle.close()
