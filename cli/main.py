@@ -63,7 +63,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
     settings = _settings(args)
     stop = stop_on_signals()
     if args.epochs is None and args.keep_ahead is None and not args.shuffle and not args.until_stopped:
-        return feed(settings, args.path, args.task, stop, first_uid_wins=args.first_uid_wins)
+        return feed(settings, args.path, args.task, stop, first_uid_wins=args.first_uid_wins, wait=args.wait)
     return run_feeder(
         settings,
         args.path,
@@ -253,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-uid-wins",
         action="store_true",
         help="a uid twice in the file: keep the first, count the rest",
+    )
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="one-shot: wait for Redis up to process.wait_timeout_s (default: fail at once when it does "
+        "not answer; feeder mode always waits)",
     )
     p.add_argument("--epochs", type=_at_least(1), help="feeder mode: iterate the file this many times")
     p.add_argument("--shuffle", action="store_true", help="feeder mode: shuffle each epoch")
