@@ -184,3 +184,22 @@ def test_one_shot_commands_fail_at_once_on_an_unreachable_redis(tmp_path: Path, 
     done = subprocess.run(rollstream("feed", str(path), "--task", "default", "--wait"), env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 4 and "gave up waiting for Redis" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("key", "command"), [("state", ("steps",)), ("progress", ("status",))])
+def test_a_wrongtype_reply_names_the_key(
+    control: RunControl,
+    redis_server: EmbeddedRedis,
+    run_name: str,
+    capsys: pytest.CaptureFixture[str],
+    key: str,
+    command: tuple[str, ...],
+) -> None:
+    wrong = f"rs:{{{run_name}}}:{key}"
+    control.client.set(wrong, "something else's")
+    control.client.rpush(f"rs:{{{run_name}}}:dead", "another")  # a second one, a list
+    assert cli(redis_server, run_name, *command) == 1
+    err = capsys.readouterr().err
+    assert "Redis refused a command: " in err and "WRONGTYPE" in err
+    assert f"{wrong} holds a string, not a hash" in err, err
+    assert f"rs:{{{run_name}}}:dead holds a list, not a stream" in err, err
