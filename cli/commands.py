@@ -40,15 +40,27 @@ def _buffer(settings: Settings, role: str) -> ReplayBuffer:
 
 
 def feed(
-    settings: Settings, path: str, task: str, stop: threading.Event, *, first_uid_wins: bool = False
+    settings: Settings,
+    path: str,
+    task: str,
+    stop: threading.Event,
+    *,
+    first_uid_wins: bool = False,
+    wait: bool = False,
 ) -> int:
-    """One-shot feed: every line is checked before anything is written; waits for Redis."""
+    """One-shot feed: every line is checked before anything is written. A person typing it
+    gets an unreachable Redis as an error at once (exit 3); with ``wait`` (a script or a
+    process manager starting it beside Redis) it waits up to process.wait_timeout_s."""
     settings.task(task)
     prompts = read_prompt_file(path, task, first_uid_wins=first_uid_wins)
     start_line("feed", settings, file=path, task=task)
-    client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
-    if client is None:
-        return 0
+    if wait:
+        waited = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
+        if waited is None:
+            return 0
+        client = waited
+    else:
+        client = connect(settings.redis)
     run_identity(client, Keys(settings.run), settings.redis.url)  # a run marked lost is not fed again
     check_run_settings(client, Keys(settings.run), settings, default_consumer_name("feed"))
     result = ReplayBuffer(client, settings, default_consumer_name("feed")).feed(prompts)

@@ -42,6 +42,9 @@ DEFAULT_JUDGE = ProducerSettings.model_fields["judge"].default
 ENV_RETURN = "rollstream.producer.agents.rewards:env_return"
 
 
+_LOADED: list[Settings] = []
+
+
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
     if args.run:
         overrides["run"] = args.run
@@ -50,6 +53,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
     # Flags win over the environment and the file, field by field (sources merge deeply),
     # and a bad value in the environment that a flag replaces is never looked at.
     settings = load_settings(**overrides)
+    _LOADED[:] = [settings]  # for an error's diagnosis in main()
     # before anything imports rq, which reads it once: the judge queue is the run's own
     os.environ["RQ_KEY_PREFIX"] = Keys(settings.run).rq_prefix
     level = logging.getLevelName(settings.log.level) - 10 * (args.verbose - args.quiet)
@@ -63,7 +67,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
     settings = _settings(args)
     stop = stop_on_signals()
     if args.epochs is None and args.keep_ahead is None and not args.shuffle and not args.until_stopped:
-        return feed(settings, args.path, args.task, stop, first_uid_wins=args.first_uid_wins)
+        return feed(settings, args.path, args.task, stop, first_uid_wins=args.first_uid_wins, wait=args.wait)
     return run_feeder(
         settings,
         args.path,
@@ -190,6 +194,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         eval_every=args.eval_every,
         eval_task=args.eval_task,
         state_file=args.state_file,
+        log_to=args.log_to,
+        log_dir=args.log_dir,
     )
 
 
@@ -253,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-uid-wins",
         action="store_true",
         help="a uid twice in the file: keep the first, count the rest",
+    )
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="one-shot: wait for Redis up to process.wait_timeout_s (default: fail at once when it does "
+        "not answer; feeder mode always waits)",
     )
     p.add_argument("--epochs", type=_at_least(1), help="feeder mode: iterate the file this many times")
     p.add_argument("--shuffle", action="store_true", help="feeder mode: shuffle each epoch")
@@ -362,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="the reference trainer: read batches, train, publish weights")
     p.add_argument("--steps", type=_at_least(1), required=True, help="train steps to run")
+    p.add_argument(
+        "--log-to", default="", help="per-step learning figures to: tensorboard (the tensorboard extra)"
+    )
+    p.add_argument("--log-dir", help="where the trackers write (default runs/RUN)")
     p.add_argument("--step-time", type=_at_least(0, float), default=0.5, help="seconds a train step takes")
     p.add_argument(
         "--consumer", default=TRAINER_CONSUMER, help="stable consumer name (restarts re-read its groups)"
@@ -458,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return RET_LOST
     except redis.ResponseError as exc:
         # e.g. WRONGTYPE: a key of the run that something else wrote with another type
-        print(f"rollstream: Redis refused a command: {exc}", file=sys.stderr)
+        print(f"rollstream: Redis refused a command: {exc}{_wrong_types(exc)}", file=sys.stderr)
         return RET_ERROR
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # an outage longer than redis.outage_limit_s (the client retried until then)
@@ -467,6 +483,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RollstreamError as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_ERROR
+
+
+def _wrong_types(exc: redis.ResponseError) -> str:
+    """For a WRONGTYPE reply, which keys of the run hold another type than rollstream keeps
+    there (the reply does not name the key); '' when that cannot be told."""
+    if "WRONGTYPE" not in str(exc) or not _LOADED:
+        return ""
+    from rollstream.shared.connection import connect
+    from rollstream.shared.status import wrong_types
+
+    try:
+        client = connect(_LOADED[0].redis, check=False, ride_out=False)
+        try:
+            found = wrong_types(client, Keys(_LOADED[0].run))
+        finally:
+            client.close()
+    except redis.RedisError:
+        return ""
+    if not found:
+        return ""
+    return f" ({'; '.join(found)})"
 
 
 def entry() -> None:

@@ -126,12 +126,14 @@ def check_run_identity(client: redis.Redis, keys: Keys, url: str, known: str, wh
     """RunLost when Redis no longer holds run id ``known`` (what this process saw at its
     start); the run is then marked lost in the state, so that no process restarted by a
     supervisor starts it again at step 0."""
-    current = _text(client.hget(keys.state, RUN_ID))
+    current, marker = (_text(v) for v in client.hmget(keys.state, [RUN_ID, RUN_LOST]))
+    if marker is not None:  # another process found the run lost (this one may be in a new run of it)
+        raise RunLost(_marked_lost(keys, url, marker))
     if current == known:
         return
     message = lost_message(keys, url, known, current, f"{who}, which started in it")
-    marker = {"run_id": known, "found_by": who, "ts": time.time(), "what": message}
-    client.hsetnx(keys.state, RUN_LOST, orjson.dumps(marker))
+    found = {"run_id": known, "found_by": who, "ts": time.time(), "what": message}
+    client.hsetnx(keys.state, RUN_LOST, orjson.dumps(found))
     raise RunLost(message)
 
 

@@ -191,3 +191,39 @@ def _accounts(status: RunStatus) -> dict[str, TaskAccount]:
             not_fed=not_fed,
         )
     return out
+
+
+# What each key of a run is, by the shape of its name below rs:{run}: (shared/keys.py)
+_HASHES = ("state", "progress", "batch")
+_SETS = ("fed",)
+_STRINGS = ("alive", "fence")
+_STREAMS = ("events", "dead", "metrics", "filtered", "eval", *GROUP_OF_KIND)
+
+
+def expected_type(keys: Keys, key: str) -> str | None:
+    """The Redis type rollstream keeps ``key`` of the run in, None for a key it does not
+    name (rq's, or another's)."""
+    parts = key.removeprefix(keys.base + ":").split(":")
+    if not key.startswith(keys.base + ":") or parts[0] == "rq":
+        return None
+    if parts[0] == "batch" and len(parts) > 2 and parts[2] == "fed":
+        return "set"
+    for kind, names in (("hash", _HASHES), ("set", _SETS), ("string", _STRINGS), ("stream", _STREAMS)):
+        if parts[0] in names:
+            return kind
+    return None
+
+
+def wrong_types(client: redis.Redis, keys: Keys, limit: int = 10_000) -> list[str]:
+    """The run's keys that hold another type than rollstream keeps there (what a WRONGTYPE
+    reply does not say), e.g. "rs:{exp}:state holds a string, not a hash"."""
+    out = []
+    for i, raw in enumerate(client.scan_iter(match=keys.pattern, count=500)):
+        if i >= limit:
+            break
+        key = text(raw)
+        expected = expected_type(keys, key)
+        actual = text(client.type(key)) if expected else ""
+        if expected and actual not in (expected, "none"):
+            out.append(f"{key} holds a {actual}, not a {expected}")
+    return sorted(out)

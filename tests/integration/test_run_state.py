@@ -5,7 +5,10 @@ corrupt step names its repair."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,12 +20,12 @@ from rollstream.consumer.weights import publish_weights, wait_for_producers
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
 from rollstream.shared import events as shared_events
-from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.embedded import EmbeddedRedis, free_port
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.events import RunControl, StepBackwards
 from rollstream.shared.keys import Keys
 from rollstream.shared.settings import load_settings
-from tests.helpers import prompts
+from tests.helpers import prompts, rollstream
 
 pytestmark = pytest.mark.integration
 
@@ -154,3 +157,49 @@ def test_a_redis_url_naming_a_database_the_server_lacks_is_a_settings_error(
 
 def cli_at(url: str, run: str, *args: str) -> int:
     return main(["--redis-url", url, "--run", run, *args])
+
+
+def test_one_shot_commands_fail_at_once_on_an_unreachable_redis(tmp_path: Path, run_name: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"uid": "q1", "prompt": "1 + 1?"}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    env.update(ROLLSTREAM_REDIS__URL=url, ROLLSTREAM_RUN=run_name, ROLLSTREAM_PROCESS__WAIT_TIMEOUT_S="600")
+    for command in (
+        ["feed", str(path), "--task", "default"],
+        ["status"],
+        ["show", "prompts"],
+        ["steps"],
+        ["pause"],
+        ["resume"],
+        ["stop"],
+    ):
+        started = time.monotonic()
+        done = subprocess.run(rollstream(*command), env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 3, (command, done.stderr[-2000:])  # not a wait of 600 s
+        assert f"Redis is not reachable at {url}" in done.stderr, (command, done.stderr[-2000:])
+        assert time.monotonic() - started < 30, command
+    # waiting is asked for explicitly (a script starting it beside Redis), bounded as processes' waits
+    env["ROLLSTREAM_PROCESS__WAIT_TIMEOUT_S"] = "1"
+    done = subprocess.run(rollstream("feed", str(path), "--task", "default", "--wait"), env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 4 and "gave up waiting for Redis" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("key", "command"), [("state", ("steps",)), ("progress", ("status",))])
+def test_a_wrongtype_reply_names_the_key(
+    control: RunControl,
+    redis_server: EmbeddedRedis,
+    run_name: str,
+    capsys: pytest.CaptureFixture[str],
+    key: str,
+    command: tuple[str, ...],
+) -> None:
+    wrong = f"rs:{{{run_name}}}:{key}"
+    control.client.set(wrong, "something else's")
+    control.client.rpush(f"rs:{{{run_name}}}:dead", "another")  # a second one, a list
+    assert cli(redis_server, run_name, *command) == 1
+    err = capsys.readouterr().err
+    assert "Redis refused a command: " in err and "WRONGTYPE" in err
+    assert f"{wrong} holds a string, not a hash" in err, err
+    assert f"rs:{{{run_name}}}:dead holds a list, not a stream" in err, err
