@@ -324,6 +324,8 @@ class Producer:
         next look at admission: POLL_S for new work, ADMIT_POLL_S at the bound."""
         loop = asyncio.get_running_loop()
         timeout = max(POLL_S, self._next_admit - loop.time())
+        if self.paused or not self._open.is_set():
+            self._wake.clear()  # set again when claiming may go on (a resume, a sync's end)
         woken = asyncio.ensure_future(self._wake.wait())
         stopped = asyncio.ensure_future(stop.wait())
         try:

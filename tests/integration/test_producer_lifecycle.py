@@ -17,7 +17,7 @@ from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
-from rollstream.shared.events import WEIGHT_SYNC
+from rollstream.shared.events import PAUSE, RESUME, WEIGHT_SYNC
 from rollstream.shared.keys import EXPIRED, PRODUCERS, Role
 from rollstream.shared.liveness import Liveness
 from rollstream.shared.records import Prompt, Sample
@@ -314,3 +314,33 @@ def test_a_stop_while_the_in_process_judge_hangs_hands_the_group_back(
         assert producer.buffer.running("math") == 0
     finally:
         RELEASE.set()
+
+
+@pytest.mark.timeout(90)
+def test_a_weight_sync_while_paused_does_not_spin_the_loop(
+    redis_server: EmbeddedRedis, run_name: str, run_producer: Callable[[Producer], Running]
+) -> None:
+    producer = make(redis_server, run_name)
+    turns = 0
+    settled = producer._settled
+
+    async def counted(stop: asyncio.Event) -> None:
+        nonlocal turns
+        turns += 1
+        await settled(stop)
+
+    producer._settled = counted  # type: ignore[method-assign]
+    run_producer(producer)
+    # Given a paused run that publishes a weight sync (its wake-up cannot admit anything)
+    producer.control.publish(PAUSE)
+    wait_for(lambda: producer.paused, timeout=15)
+    producer.control.publish(WEIGHT_SYNC, 1)
+    wait_for(lambda: producer.model_step == 1, timeout=15)
+    # Then the loop waits at its pace (a turn every 50 ms at most), not in a busy loop
+    before = turns
+    assert throughout(1.0, lambda: None) > 0
+    assert turns - before < 40
+    # and a resume wakes it: it claims again
+    producer.buffer.feed(prompts("math", 2))
+    producer.control.publish(RESUME)
+    wait_for(lambda: producer.stats.outcomes.get("completed") == 2, timeout=15)
