@@ -547,6 +547,8 @@ def train(
     eval_every: int = 10,
     eval_task: str | None = None,
     state_file: str | None = None,
+    log_to: str = "",
+    log_dir: str | None = None,
 ) -> int:
     """The reference trainer for ``steps`` steps, a log line per step (and a tqdm bar on
     a terminal); with ``hf_model`` a real policy-optimisation step (the loss the
@@ -556,6 +558,7 @@ def train(
     as in training and greedily, a log line each; with ``state_file`` the trainer's own
     record of the run (its id and last committed step), checked at the start: a Redis
     that lost the run is then named, never trained again from step 1."""
+    from rollstream.consumer.tracking import open_loggers
     from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 
     held_out = None
@@ -603,9 +606,12 @@ def train(
                                    policy=policy, evaluator=evaluator)  # fmt: skip
         if record:
             trainer.on_commit = _recorder(record)
+        # per-step learning figures to TensorBoard (--log-to), under verl / TRL names
+        trackers = open_loggers(log_to, log_dir or str(Path("runs") / settings.run))
         with tqdm(total=steps, unit="step", desc="train", disable=not on_terminal()) as bar:
 
             def on_step(entry: StepLog) -> None:
+                trackers.log(entry.step, {**entry.figures, **entry.eval})
                 if state_file:
                     _write_trainer_record(state_file, process, entry.step)
                 bar.update(1)
@@ -625,7 +631,10 @@ def train(
                         "trainer: eval at step %d: %s (%.1f s)", entry.step, shown, entry.eval["eval/seconds"]
                     )
 
-            result = trainer.run(steps, on_step, stop)
+            try:
+                result = trainer.run(steps, on_step, stop)
+            finally:
+                trackers.close()
         log.info("trainer: %d steps done%s", len(result.steps), ", stopped" if stop.is_set() else "")
         if stop_run and len(result.steps) == steps:
             event = process.control.publish(STOP)

@@ -18,6 +18,7 @@ import redis
 from rollstream.consumer.batches import BatchReader, TrainBatch
 from rollstream.consumer.evaluation import Evaluator
 from rollstream.consumer.pg import PolicyGradient
+from rollstream.consumer.tracking import step_figures
 from rollstream.consumer.weights import publish_weights
 from rollstream.shared import telemetry
 from rollstream.shared.errors import BatchTimeout
@@ -35,6 +36,8 @@ class StepLog:
     wait_s: float
     train_s: float
     eval: dict[str, float] = field(default_factory=dict)  # the evaluator's metrics at this step
+    # the step's learning figures under the trackers' names (consumer.tracking.step_figures)
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -110,6 +113,10 @@ class ReferenceTrainer:
                 step, train_s, batch.wait_s, {task: len(b) for task, b in batch.batches.items()},
                 batch.staleness, batch.expired, {**figures, "reward_mean": entry.reward_mean},
             )  # fmt: skip
+            scores = [s.score for g in batch.groups for s in g.samples if s.score is not None]
+            entry.figures = step_figures(
+                train_s, batch.wait_s, len(batch), scores, batch.staleness, batch.expired, figures
+            )
             if synced and self.evaluator is not None and self.evaluator.due(step):
                 entry.eval = self.evaluator(step, self.reader.control)
             log.steps.append(entry)

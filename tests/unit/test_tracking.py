@@ -1,0 +1,71 @@
+"""Per-step learning figures for trackers: the names verl and TRL users read, and the
+TensorBoard event file read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollstream.consumer.tracking import TensorBoardLogger, open_loggers, step_figures
+from rollstream.shared.errors import SettingsError
+from tests.helpers import require
+
+
+def test_a_step_s_figures_under_verl_and_trl_names() -> None:
+    figures = step_figures(
+        step_s=0.5, wait_s=1.5, groups=4, scores=[0.0, 1.0, 0.0, 1.0], staleness={0: 3, 2: 1}, expired=1,
+        policy={"loss": 0.25, "approx_kl": 0.01, "clip_fraction": 0.125, "ratio_max": 1.5, "new": 2.0},
+    )  # fmt: skip
+    assert figures == {
+        "reward/mean": 0.5,
+        "reward/std": 0.5,
+        "actor/loss": 0.25,
+        "actor/kl": 0.01,
+        "actor/clip_fraction": 0.125,
+        "actor/importance_ratio_max": 1.5,
+        "actor/new": 2.0,  # a figure of a loss of one's own keeps its name, under actor/
+        "rollout/staleness_mean": 0.5,
+        "rollout/staleness_max": 2.0,
+        "rollout/expired": 1.0,
+        "rollout/groups": 4.0,
+        "perf/seconds_per_step": 0.5,
+        "perf/wait_seconds": 1.5,
+        "perf/groups_per_second": 2.0,
+    }
+
+
+def test_a_step_without_scores_or_policy_has_no_reward_or_actor_figures() -> None:
+    figures = step_figures(0.1, 0.0, 2, [], {}, 0, {"approx_kl": float("nan")})
+    assert not [k for k in figures if k.startswith(("reward/", "actor/", "rollout/staleness"))]
+
+
+def test_tensorboard_reads_back_what_was_logged(tmp_path: Path) -> None:
+    require("tensorboard", "tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = open_loggers("tensorboard", tmp_path / "tb")
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": step / 10, "actor/kl": 0.01 * step})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"reward/mean", "actor/kl"}
+    rewards = [(e.step, round(e.value, 6)) for e in events.Scalars("reward/mean")]
+    assert rewards == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+def test_an_unknown_tracker_names_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="unknown tracker 'tensorbord'; known: tensorboard"):
+        open_loggers("tensorbord", tmp_path)
+    assert open_loggers("", tmp_path).loggers == []
+
+
+def test_without_the_extra_asking_for_tensorboard_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [m for m in sys.modules if m.partition(".")[0] == "tensorboard"] + ["tensorboard"]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    with pytest.raises(SettingsError, match=r"pip install 'rollstream\[tensorboard\]'"):
+        TensorBoardLogger(tmp_path)
