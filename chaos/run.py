@@ -64,6 +64,13 @@ FAULTS = (
 # from outside is not a poison group: the step is redone on the same groups, none
 # dead-lettered.
 TRAINER_KILLS = 4
+# redis_restarted_empty: Redis killed and started again without its data (no append-only
+# file), as a server whose AOF was lost or that could not load it. It ends the run: the
+# expected outcome is that every process stops with one clear error, exit 5 (RunLost), and
+# is not restarted (systemd's RestartPreventExitStatus=5); none starts the run at step 0.
+# Only by name (--faults redis_restarted_empty), never in the default rotation.
+LOST = "redis_restarted_empty"
+RET_LOST = 5
 
 
 @dataclass
@@ -76,6 +83,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     exited_at: float | None = None
+    exits: list[int] = field(default_factory=list)  # the exit status of each run of it
 
     def start(self, env: dict[str, str]) -> None:
         with self.log.open("ab") as out:
@@ -111,6 +119,7 @@ class Chaos:
         self.lock = threading.Lock()
         self._order: list[str] = []
         self._client: redis.Redis | None = None
+        self.lost_at: float | None = None  # when Redis came back empty (redis_restarted_empty)
 
     # --- set-up ----------------------------------------------------------------------
 
@@ -186,7 +195,8 @@ class Chaos:
     def _trainer_argv(self) -> list[str]:
         left = max(1, self.steps - self._train_step())
         return [sys.executable, "-m", "rollstream.cli.main", "train", "--steps", str(left),
-                "--step-time", "0.2", "--record", str(self.record)]  # fmt: skip
+                "--step-time", "0.2", "--record", str(self.record),
+                "--state-file", str(self.out / "trainer.json")]  # fmt: skip
 
     # --- running ---------------------------------------------------------------------
 
@@ -224,6 +234,10 @@ class Chaos:
                         continue
                     if child.exited_at is None:
                         child.exited_at = now
+                        if child.proc is not None:
+                            child.exits.append(child.proc.returncode)
+                    if child.exits and child.exits[-1] == RET_LOST:
+                        continue  # the run is lost: restarting it would start it again at step 0
                     elif now - child.exited_at >= 0.5:  # RestartSec
                         child.restarts += 1
                         child.start(self.env)
@@ -231,6 +245,14 @@ class Chaos:
             if now >= next_sample:
                 self._sample()
                 next_sample = now + 1.0
+            if self.lost_at is not None:
+                if not any(c.alive for c in self.children.values() if c.name != "redis"):
+                    self.note("stopped", "every process, the run being lost")
+                    return True
+                if now - self.lost_at > 60:
+                    return False
+                time.sleep(0.2)
+                continue
             step = self._train_step()
             if step >= self.steps:
                 self.note("done", f"train step {self.steps}")
@@ -268,7 +290,9 @@ class Chaos:
     # --- faults ----------------------------------------------------------------------
 
     def inject(self, fault: str) -> None:
-        if fault == "kill_redis":
+        if fault == LOST:
+            self._kill_redis(empty=True)
+        elif fault == "kill_redis":
             self._kill_redis()
         elif fault == "kill_engine_actor":
             self._kill_engine_actor()
@@ -317,17 +341,22 @@ class Chaos:
                         )
             time.sleep(0.01)
 
-    def _kill_redis(self) -> None:
+    def _kill_redis(self, empty: bool = False) -> None:
         with self.lock:
             child = self.children["redis"]
             if child.proc is not None:
                 child.proc.kill()
                 child.proc.wait()
             self.note("kill -9", "redis-server")
+            if empty:  # its append-only file lost: it comes back without the run's data
+                shutil.rmtree(self.out / "redis")
+                (self.out / "redis").mkdir()
             time.sleep(1.0)
             child.restarts += 1
             child.start(self.env)
-            self.note("restart", "redis-server from its append-only file")
+            if empty:
+                self.lost_at = time.monotonic()
+            self.note("restart", "redis-server, empty" if empty else "redis-server from its append-only file")
 
     def _kill_engine_actor(self) -> None:
         """kill -9 of one engine actor of this run's Ray cluster: the one that the engines
@@ -487,6 +516,38 @@ def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
     }
 
 
+def lost_run(chaos: Chaos, deadline: float) -> int:
+    """The redis_restarted_empty fault: once, after a few steps; the run passes when every
+    process stopped with exit 5 and one clear error, none restarted, and the run is marked
+    lost in Redis (so that a process started later refuses it too)."""
+    chaos.faults = (LOST,)
+    try:
+        stopped = chaos.supervise(deadline)
+    finally:
+        chaos.stop()
+    try:
+        raw: Any = chaos.client().hgetall(chaos.keys.state)
+        state = {k.decode(): v for k, v in raw.items()}
+    finally:
+        chaos.shutdown_redis()
+    children = [c for c in chaos.children.values() if c.name != "redis"]
+    errors = {c.name: [ln for ln in c.log.read_text(errors="replace").splitlines() if " is lost: " in ln]
+              for c in children}  # fmt: skip
+    result: dict[str, Any] = {
+        "fault": LOST,
+        "stopped": stopped,
+        "exits": {c.name: c.exits for c in children},
+        "clear_errors": {name: len(lines) for name, lines in errors.items()},
+        "marked_lost": "lost" in state,
+        "train_step_in_redis_after": state.get("train_step", b"").decode() or None,
+    }
+    (chaos.out / "report.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    ok = stopped and result["marked_lost"]
+    ok = ok and all(c.exits and c.exits[-1] == RET_LOST for c in children)
+    return 0 if ok and all(n >= 1 for n in result["clear_errors"].values()) else 1
+
+
 def _fault_name(kind: str, detail: str) -> str:
     """ "kill -9 producer", "SIGSTOP producer", "kill -9 engine actor", ... without numbers."""
     what = detail.split(" (")[0].split(" for ")[0].rstrip("-0123456789")
@@ -547,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a short mixed-fault run (CI)")
     parser.add_argument("--out", default="bench/results/chaos", help="where report.json, logs and the PNG go")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--faults", help=f"comma-separated subset of {','.join(FAULTS)}")
+    parser.add_argument("--faults", help=f"comma-separated subset of {','.join(FAULTS)}, or {LOST} alone")
     parser.add_argument("--no-faults", action="store_true", help="a fault-free run, for comparison")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -556,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     faults = () if args.no_faults else tuple(args.faults.split(",")) if args.faults else FAULTS
     prompts, steps, every, deadline = (600, 40, 1.0, 300.0) if args.smoke else (2000, 150, 1.0, 1200.0)
     chaos = Chaos(out, prompts, steps, every, faults, args.seed)
+    if LOST in faults:
+        return lost_run(chaos, deadline)
     try:
         finished = chaos.supervise(deadline)
         chaos.stop()
