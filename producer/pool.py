@@ -18,6 +18,7 @@ objects of ours.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -113,6 +114,103 @@ def engine_env(engines: EngineSettings, index: int) -> dict[str, str]:
     if engines.kind == "vllm" and index < len(binds):
         return {"VLLM_CPU_OMP_THREADS_BIND": binds[index]}
     return {}
+
+
+def placement_group_name(run: str, index: int) -> str:
+    return f"{actor_name(run, index)}:pg"
+
+
+def engine_payload(engines: EngineSettings) -> bytes:
+    """The settings an engine actor builds its engine from. A tensor-parallel vLLM engine
+    runs its ranks as Ray workers in the engine's placement group (vLLM's ``ray``
+    executor), unless engines.vllm.extra_args says otherwise."""
+    tp = engines.tensor_parallel_size
+    if engines.kind == "vllm" and tp > 1:
+        extra = {"tensor_parallel_size": tp, "distributed_executor_backend": "ray", **engines.vllm.extra_args}
+        engines = engines.model_copy(update={"vllm": engines.vllm.model_copy(update={"extra_args": extra})})
+    return engines.model_dump_json().encode()
+
+
+def placement_bundles(engines: EngineSettings) -> list[dict[str, float]]:
+    """The bundles of a tensor-parallel engine's placement group, all on one node
+    (STRICT_PACK): a GPU per rank; the first also holds the actor's CPUs and custom
+    resources."""
+    first: dict[str, float] = {"GPU": 1.0, **engines.resources}
+    if engines.num_cpus:
+        first["CPU"] = engines.num_cpus
+    return [first] + [{"GPU": 1.0} for _ in range(engines.tensor_parallel_size - 1)]
+
+
+def placement_group_options(
+    engines: EngineSettings, run: str, index: int, *, detached: bool
+) -> dict[str, Any]:
+    """What ``ray.util.placement_group`` gets for engine ``index`` (tensor_parallel_size > 1)."""
+    options: dict[str, Any] = {
+        "bundles": placement_bundles(engines),
+        "strategy": "STRICT_PACK",
+        "name": placement_group_name(run, index),
+    }
+    if engines.node_labels:
+        options["bundle_label_selector"] = [dict(engines.node_labels) for _ in options["bundles"]]
+    if detached:
+        options["lifetime"] = "detached"
+    return options
+
+
+def actor_options(
+    engines: EngineSettings, run: str, index: int, *, detached: bool, group: Any = None
+) -> dict[str, Any]:
+    """What Ray gets for engine actor ``index``: its name, what it needs and where it may
+    run (engines.num_cpus / num_gpus / resources / node_labels / strategy), or, for a
+    tensor-parallel engine, the first bundle of its placement group ``group``, whose
+    other bundles its ranks (vLLM's Ray workers) take."""
+    options: dict[str, Any] = {
+        "name": actor_name(run, index),
+        "namespace": namespace(run),
+        "num_cpus": engines.num_cpus,
+        "num_gpus": engines.num_gpus if engines.tensor_parallel_size == 1 else 0,
+        "max_restarts": engines.max_restarts,
+        "max_task_retries": 0,  # a request of a dead engine fails; the producer retries it
+        "get_if_exists": True,
+    }
+    if engines.resources:
+        options["resources"] = dict(engines.resources)
+    if group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        )
+    else:
+        if engines.node_labels:
+            options["label_selector"] = dict(engines.node_labels)
+        if engines.strategy == "spread":
+            options["scheduling_strategy"] = "SPREAD"
+    if detached:
+        options["lifetime"] = "detached"
+    if env := engine_env(engines, index):
+        options["runtime_env"] = {"env_vars": env}
+    return options
+
+
+def describe_needs(engines: EngineSettings) -> str:
+    """What one engine asks of a node, for the warning of an engine that waits for capacity."""
+    needs = [f"{engines.num_cpus:g} CPU"]
+    if gpus := engines.gpus_per_engine:
+        needs.append(f"{gpus:g} GPU" + (" on one node" if engines.tensor_parallel_size > 1 else ""))
+    needs += [f"{amount:g} {name}" for name, amount in engines.resources.items()]
+    needs += [f"label {key}={value}" for key, value in engines.node_labels.items()]
+    return ", ".join(needs)
+
+
+def _find_placement_group(name: str) -> Any:
+    """The live placement group of that name (any namespace), or None."""
+    from ray.util.placement_group import PlacementGroup
+
+    for pg_id, info in ray.util.placement_group_table().items():
+        if info.get("name") == name and info.get("state") != "REMOVED":
+            return PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id)))
+    return None
 
 
 @ray.remote
@@ -294,26 +392,9 @@ class EnginePool(BasePool):
     def start(cls, settings: Settings, *, detached: bool = True) -> EnginePool:
         """Create the run's engine actors (or find those already there) and wait until
         each answers."""
-        engines = settings.engines
-        payload = engines.model_dump_json().encode()
-        handles = []
-        for i in range(engines.count):
-            options: dict[str, Any] = {
-                "name": actor_name(settings.run, i),
-                "namespace": namespace(settings.run),
-                "num_cpus": engines.num_cpus,
-                "num_gpus": engines.num_gpus,
-                "max_restarts": engines.max_restarts,
-                "max_task_retries": 0,  # a request of a dead engine fails; the producer retries it
-                "get_if_exists": True,
-            }
-            if detached:
-                options["lifetime"] = "detached"
-            if env := engine_env(engines, i):
-                options["runtime_env"] = {"env_vars": env}
-            handles.append(EngineActor.options(**options).remote(payload, i))  # type: ignore[attr-defined]
+        handles = [create_engine(settings, i, detached=detached) for i in range(settings.engines.count)]
         pool = cls(settings.run, handles)
-        ray.get([h.health.remote() for h in handles])
+        wait_for_engines(settings.engines, [h.health.remote() for h in handles])
         return pool
 
     @classmethod
@@ -366,15 +447,12 @@ class EnginePool(BasePool):
 
     @staticmethod
     def stop(settings: Settings) -> int:
-        """Kill the run's engine actors; returns how many there were."""
+        """Kill the run's engine actors (and free their placement groups); returns how
+        many there were."""
         killed = 0
-        for i in range(settings.engines.count):
-            try:
-                handle = ray.get_actor(actor_name(settings.run, i), namespace=namespace(settings.run))
-            except ValueError:
-                continue
-            ray.kill(handle, no_restart=True)
-            killed += 1
+        for i in engine_indices(settings.run) | set(range(settings.engines.count)):
+            if remove_engine(settings.run, i):
+                killed += 1
         return killed
 
     async def _generate(
@@ -409,6 +487,66 @@ class EnginePool(BasePool):
         if isinstance(exc, RayError):
             return f"engine {index} unreachable: {_first_line(exc)}"
         return super()._describe(index, exc)
+
+
+def create_engine(settings: Settings, index: int, *, detached: bool = True) -> Any:
+    """Engine actor ``index`` of the run (the one there already, if any), placed as
+    the engines settings say; a tensor-parallel one in its own placement group."""
+    engines, run = settings.engines, settings.run
+    with contextlib.suppress(ValueError):
+        return ray.get_actor(actor_name(run, index), namespace=namespace(run))
+    group = None
+    if engines.tensor_parallel_size > 1:
+        group = _find_placement_group(placement_group_name(run, index))
+        if group is None:
+            group = ray.util.placement_group(
+                **placement_group_options(engines, run, index, detached=detached)
+            )
+    options = actor_options(engines, run, index, detached=detached, group=group)
+    return EngineActor.options(**options).remote(engine_payload(engines), index)  # type: ignore[attr-defined]
+
+
+def remove_engine(run: str, index: int) -> bool:
+    """Kill engine actor ``index`` of the run, for good, and remove its placement group;
+    False when there was no such actor."""
+    try:
+        handle = ray.get_actor(actor_name(run, index), namespace=namespace(run))
+    except ValueError:
+        handle = None
+    if handle is not None:
+        ray.kill(handle, no_restart=True)
+    group = _find_placement_group(placement_group_name(run, index))
+    if group is not None:
+        ray.util.remove_placement_group(group)
+    return handle is not None
+
+
+def engine_indices(run: str) -> set[int]:
+    """The indices of the run's engine actors registered with the cluster."""
+    prefix = actor_name(run, 0)[:-1]
+    found = set()
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"] if isinstance(entry, dict) else str(entry)
+        ns = entry.get("namespace") if isinstance(entry, dict) else namespace(run)
+        if ns == namespace(run) and name.startswith(prefix) and name[len(prefix) :].isdigit():
+            found.add(int(name[len(prefix) :]))
+    return found
+
+
+WAIT_WARNING_S = 15.0  # an engine not up by then waits for capacity: say so, once
+
+
+def wait_for_engines(engines: EngineSettings, calls: list[Any], timeout_s: float | None = None) -> None:
+    """Wait until each engine answers ``calls`` (their health), warning once, naming what
+    an engine needs, when some wait for a node that has it."""
+    first = min(WAIT_WARNING_S, timeout_s or WAIT_WARNING_S)
+    _, pending = ray.wait(list(calls), num_returns=len(calls), timeout=first)
+    if pending:
+        log.warning(
+            "%d of %d engines are not up after %.0f s: waiting for a Ray node with %s (see `ray status`)",
+            len(pending), len(calls), WAIT_WARNING_S, describe_needs(engines),
+        )  # fmt: skip
+    ray.get(calls, timeout=None if timeout_s is None else max(0.0, timeout_s - WAIT_WARNING_S))
 
 
 class LocalPool(BasePool):

@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError as PydanticSettingsError
 
+from rollstream.shared import redisurl
 from rollstream.shared.errors import SettingsError
 
 ENV_PREFIX = "ROLLSTREAM_"
@@ -98,24 +99,41 @@ class RedisSettings(BaseModel):
 
     url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
+        description=(
+            "redis://[user:password@]host:port/db, rediss:// for TLS, unix:///path, "
+            "redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db] (a primary that "
+            "Sentinels fail over), or redis+cluster://[:password@]host:port[,host:port...] (a Redis Cluster)"
+        ),
     )
     socket_timeout_s: float = Field(default=30.0, gt=0)
     outage_limit_s: float = Field(
         default=120.0, ge=0, description="how long a process retries through a Redis outage; 0: not at all"
+    )
+    # Commit durability (README "Redis high availability"): replication is asynchronous, so
+    # a failover may lose what the primary acknowledged last. With N > 0 the trainer's read
+    # and commit return only once N replicas have them (WAIT).
+    wait_replicas: int = Field(
+        default=0, ge=0, le=64, description="replicas that must hold a trainer's read and commit (WAIT); 0: none"
+    )
+    wait_timeout_ms: int = Field(
+        default=1_000, ge=1, description="how long one WAIT for redis.wait_replicas waits (retried until outage_limit_s)"
     )
 
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
         # The messages never repeat a part of the URL that could hold the password.
+        if redisurl.is_multi_host(value):
+            redisurl.parse(value)
+            return value
         try:
             parts = urlsplit(value)
         except ValueError as exc:  # an unbalanced '[' of an IPv6 host
             raise ValueError(f"the host is not valid: {exc}") from None
         if parts.scheme not in REDIS_SCHEMES:
             raise ValueError(
-                f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, as in redis://host:6379/0"
+                f"the scheme must be one of {', '.join((*REDIS_SCHEMES, *redisurl.SCHEMES))}, "
+                "as in redis://host:6379/0"
             )
         if parts.scheme != "unix" and not parts.hostname:
             raise ValueError("the host is missing: a host is required, as in redis://host:6379/0")
@@ -239,6 +257,8 @@ class HTTPEngineSettings(BaseModel):
 # Engine kinds built in; any other kind is a dotted path ("package.module:factory") to a
 # callable that takes the EngineSettings and returns an Engine.
 BUILTIN_ENGINES = ("sim", "hf", "vllm", "openai", "sglang")
+# what Ray schedules by name itself: never an engines.resources entry
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class EngineSettings(BaseModel):
@@ -252,6 +272,28 @@ class EngineSettings(BaseModel):
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per engine actor")
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs per engine actor")
     max_restarts: int = Field(default=3, ge=-1, description="restarts of a dead actor (-1: forever)")
+    # Where the engine actors run on a Ray cluster (producer/pool.py placement)
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources per engine actor, as nodes offer them (`ray start --resources`)",
+    )
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Ray node labels an engine's node must have (`ray start --labels`), as Ray's label "
+            "selectors: 'v', '!v', 'in(a,b)', '!in(a,b)'"
+        ),
+    )
+    strategy: Literal["spread", "pack"] = Field(
+        default="pack",
+        description="spread: engines over as many nodes as fit (Ray SPREAD); pack: Ray's default policy",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="GPUs of one engine, on one node: > 1 reserves a placement group of that many GPUs",
+    )
     sim: SimEngineSettings = Field(default_factory=SimEngineSettings)
     hf: HFEngineSettings = Field(default_factory=HFEngineSettings)
     vllm: VLLMEngineSettings = Field(default_factory=VLLMEngineSettings)
@@ -276,6 +318,45 @@ class EngineSettings(BaseModel):
         raise ValueError(
             f"must be one of {', '.join(BUILTIN_ENGINES)}, or a dotted path 'package.module:factory'"
         )
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ValueError(
+                    f"{name!r} is not a custom resource: CPUs and GPUs per engine are engines.num_cpus "
+                    "and engines.num_gpus"
+                )
+            if not name or amount <= 0:
+                raise ValueError(f"{name!r}: {amount}: a custom resource is a name and an amount > 0")
+        return resources
+
+    @field_validator("node_labels")
+    @classmethod
+    def _label_selectors(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if not key or not re.fullmatch(r"!?[\w.\-/]+|!?in\([\w.\-/]+(,\s*[\w.\-/]+)*\)", value.strip()):
+                raise ValueError(
+                    f"{key!r}: {value!r}: a label selector is 'value', '!value', 'in(a,b)' or '!in(a,b)'"
+                )
+        return labels
+
+    @model_validator(mode="after")
+    def _gpus_of_a_tensor_parallel_engine(self) -> EngineSettings:
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.num_gpus not in (0, tp):
+            raise ValueError(
+                f"engines.num_gpus is {self.num_gpus:g} but engines.tensor_parallel_size is {tp}: a "
+                f"tensor-parallel engine takes one GPU per rank, {tp} in all; set num_gpus to {tp} "
+                "or leave it 0"
+            )
+        return self
+
+    @property
+    def gpus_per_engine(self) -> float:
+        """The GPUs one engine reserves: num_gpus, or one per tensor-parallel rank."""
+        return float(self.tensor_parallel_size) if self.tensor_parallel_size > 1 else self.num_gpus
 
 
 class RolloutSettings(BaseModel):
@@ -363,6 +444,30 @@ class MetricsSettings(BaseModel):
         ),
     )
     host: str = Field(default="0.0.0.0", min_length=1, description="address the metrics server binds")
+
+
+class ArchiveSettings(BaseModel):
+    """The rollout archive (``rollstream archive``, consumer/archive.py): what the trainer
+    keeps in Redis for it and how it writes Parquet. The trainer and the archiver of a run
+    must both have ``keep`` (the Procfile's processes share `.env`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    keep: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "groups the trained log rs:{run}:trained holds for the archiver at most (MAXLEN ~): "
+            "older unarchived ones are trimmed, never archived; 0: no trained log, no archive"
+        ),
+    )
+    dir: str = Field(default="var/archive", min_length=1, description="the archive's root folder")
+    file_mb: float = Field(default=64.0, gt=0, description="a Parquet file is closed at this much entry data")
+    flush_s: float = Field(default=30.0, gt=0, description="longest time a read entry waits for its file")
+    read_count: int = Field(default=64, ge=1, le=10_000, description="entries per XREADGROUP")
+    warn_at: float = Field(
+        default=0.8, gt=0, le=1, description="warn when this share of keep is unarchived (trimming is near)"
+    )
 
 
 class LogSettings(BaseModel):
@@ -458,6 +563,7 @@ class Settings(BaseSettings):
     log: LogSettings = Field(default_factory=LogSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
 
     @field_validator("tasks")
     @classmethod
