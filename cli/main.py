@@ -84,6 +84,10 @@ def cmd_feed(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from rollstream.cli.commands import status
 
+    if args.watch:
+        from rollstream.cli.watch import watch
+
+        return watch(_settings(args), stop_on_signals(), interval_s=args.interval)
     return status(_settings(args), as_json=args.json)
 
 
@@ -281,7 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_feed)
 
     p = sub.add_parser("status", help="streams, pending entries, consumers and steps of the run")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print one JSON object")
+    shown.add_argument(
+        "--watch", action="store_true", help="refresh in place until Ctrl-C (plain lines when not a terminal)"
+    )
+    p.add_argument("--interval", type=_at_least(0.1, float), default=2.0, help="seconds between refreshes")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("check", help="exit 0 when Redis answers, non-zero otherwise")

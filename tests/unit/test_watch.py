@@ -1,0 +1,39 @@
+"""What `rollstream status --watch` warns about and the rates it shows, on fakeredis."""
+
+from __future__ import annotations
+
+from rollstream.cli.watch import Watcher, plain
+from rollstream.shared.keys import Count, progress_field
+from tests.conftest import BufferFactory
+
+
+def test_the_warnings_an_operator_acts_on(fake_buffer: BufferFactory) -> None:
+    buffer = fake_buffer("p1", rollout={"max_staleness": 0})  # stale_threshold 1
+    client, keys = buffer.client, buffer.keys
+    client.hset(keys.state, mapping={"model_step": 2, "train_step": 3, "paused": "1"})
+    client.xadd(keys.dead, {"reason": "judge failed"})
+    watcher = Watcher(buffer.settings, client)
+    view = watcher.view()
+    assert view.warnings == (
+        "the run is PAUSED: producers claim nothing (`rollstream resume`)",
+        "STUCK: a group made now is 1 steps stale, it expires at 1 (`rollstream steps` says how to repair)",
+        "no producer alive",
+        "no trainer alive",
+        "1 dead letters (`rollstream show dead`)",
+    )
+    assert "  WARNING no trainer alive" in plain(view)
+
+
+def test_rates_come_from_what_moved_between_two_refreshes(fake_buffer: BufferFactory) -> None:
+    buffer = fake_buffer("p1")
+    client, keys = buffer.client, buffer.keys
+    client.hset(keys.state, mapping={"model_step": 1, "train_step": 1})
+    watcher = Watcher(buffer.settings, client)
+    first = watcher.view()
+    assert first.steps_per_min is None and first.groups_per_s is None  # nothing to compare with yet
+    client.hset(keys.state, "train_step", 3)
+    client.hincrby(keys.progress, progress_field("math", Count.COMPLETED), 10)
+    second = watcher.view()
+    assert second.steps_per_min is not None and second.steps_per_min > 0
+    assert second.groups_per_s is not None and second.groups_per_s > 0
+    assert second.trained_per_s == 0
