@@ -34,7 +34,6 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError as PydanticSettingsError
 
-from rollstream.shared import redisurl
 from rollstream.shared.errors import SettingsError
 
 ENV_PREFIX = "ROLLSTREAM_"
@@ -99,41 +98,24 @@ class RedisSettings(BaseModel):
 
     url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description=(
-            "redis://[user:password@]host:port/db, rediss:// for TLS, unix:///path, "
-            "redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db] (a primary that "
-            "Sentinels fail over), or redis+cluster://[:password@]host:port[,host:port...] (a Redis Cluster)"
-        ),
+        description="redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
     )
     socket_timeout_s: float = Field(default=30.0, gt=0)
     outage_limit_s: float = Field(
         default=120.0, ge=0, description="how long a process retries through a Redis outage; 0: not at all"
-    )
-    # Commit durability (README "Redis high availability"): replication is asynchronous, so
-    # a failover may lose what the primary acknowledged last. With N > 0 the trainer's read
-    # and commit return only once N replicas have them (WAIT).
-    wait_replicas: int = Field(
-        default=0, ge=0, le=64, description="replicas that must hold a trainer's read and commit (WAIT); 0: none"
-    )
-    wait_timeout_ms: int = Field(
-        default=1_000, ge=1, description="how long one WAIT for redis.wait_replicas waits (retried until outage_limit_s)"
     )
 
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
         # The messages never repeat a part of the URL that could hold the password.
-        if redisurl.is_multi_host(value):
-            redisurl.parse(value)
-            return value
         try:
             parts = urlsplit(value)
         except ValueError as exc:  # an unbalanced '[' of an IPv6 host
             raise ValueError(f"the host is not valid: {exc}") from None
         if parts.scheme not in REDIS_SCHEMES:
             raise ValueError(
-                f"the scheme must be one of {', '.join((*REDIS_SCHEMES, *redisurl.SCHEMES))}, "
-                "as in redis://host:6379/0"
+                f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, as in redis://host:6379/0"
             )
         if parts.scheme != "unix" and not parts.hostname:
             raise ValueError("the host is missing: a host is required, as in redis://host:6379/0")
@@ -446,30 +428,6 @@ class MetricsSettings(BaseModel):
     host: str = Field(default="0.0.0.0", min_length=1, description="address the metrics server binds")
 
 
-class ArchiveSettings(BaseModel):
-    """The rollout archive (``rollstream archive``, consumer/archive.py): what the trainer
-    keeps in Redis for it and how it writes Parquet. The trainer and the archiver of a run
-    must both have ``keep`` (the Procfile's processes share `.env`)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    keep: int = Field(
-        default=0,
-        ge=0,
-        description=(
-            "groups the trained log rs:{run}:trained holds for the archiver at most (MAXLEN ~): "
-            "older unarchived ones are trimmed, never archived; 0: no trained log, no archive"
-        ),
-    )
-    dir: str = Field(default="var/archive", min_length=1, description="the archive's root folder")
-    file_mb: float = Field(default=64.0, gt=0, description="a Parquet file is closed at this much entry data")
-    flush_s: float = Field(default=30.0, gt=0, description="longest time a read entry waits for its file")
-    read_count: int = Field(default=64, ge=1, le=10_000, description="entries per XREADGROUP")
-    warn_at: float = Field(
-        default=0.8, gt=0, le=1, description="warn when this share of keep is unarchived (trimming is near)"
-    )
-
-
 class LogSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -563,7 +521,6 @@ class Settings(BaseSettings):
     log: LogSettings = Field(default_factory=LogSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
-    archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
 
     @field_validator("tasks")
     @classmethod
