@@ -127,7 +127,9 @@ def run_feeder(
 def format_status(status: RunStatus) -> str:
     lines = [
         f"run {status.run}: model_step {status.model_step}, train_step {status.train_step}"
-        f"{', PAUSED' if status.paused else ''}, dead letters {status.dead_letters}, events {status.events}",
+        f"{', PAUSED' if status.paused else ''}, dead letters {status.dead_letters}, events {status.events}"
+        f"{'' if status.run_id is None else f', run id {status.run_id}'}",
+        *([f"LOST: {status.lost}"] if status.lost else []),
         f"{'stream':44} {'length':>7} {'pending':>7} {'lag':>7} {'consumers':>9} {'oldest idle':>11}",
     ]
     for s in status.streams:

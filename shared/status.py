@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import orjson
 import redis
 
 from rollstream.shared.keys import (
@@ -16,6 +17,8 @@ from rollstream.shared.keys import (
     MODEL_STEP,
     PAUSED,
     POOLS,
+    RUN_ID,
+    RUN_LOST,
     TRAIN_STEP,
     UNTRAINABLE,
     Count,
@@ -73,6 +76,8 @@ class RunStatus:
     progress: dict[str, int] = field(default_factory=dict)
     accounts: dict[str, TaskAccount] = field(default_factory=dict)
     processes: list[ProcessBeat] = field(default_factory=list)
+    run_id: str | None = None  # the run's identity (None: no process has started in it)
+    lost: str | None = None  # what the process that found the run lost said, when one did
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +90,15 @@ def _count(value: bytes | str) -> int:
         return int(float(value))
     except ValueError:
         return -1
+
+
+def _lost(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        return str(orjson.loads(value)["what"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return text(value)
 
 
 def _int(value: Any) -> int | None:
@@ -128,6 +142,8 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
         events=int(events),
         progress={text(k): _count(v) for k, v in sorted(progress.items())},
         processes=live_processes(client, keys),
+        run_id=None if state.get(RUN_ID.encode()) is None else text(state[RUN_ID.encode()]),
+        lost=_lost(state.get(RUN_LOST.encode())),
     )
     for (key, kind, task), length in zip(found, lengths, strict=True):
         group = GROUP_OF_KIND[kind]

@@ -123,6 +123,10 @@ def test_every_process_stops_with_one_error_when_redis_is_emptied_mid_run(
     code, err = again.finish(timeout=60)
     assert code == RET_LOST and "marked lost" in err and f"DEL {keys.state}" in err, err[-3000:]
     assert not client.hexists(keys.state, "train_step")
+    shown = subprocess.run(rollstream("status"), env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and f"LOST: run {run_name!r} (run id {run_id.decode()}" in shown.stdout, (
+        shown
+    )
 
 
 def test_a_trainer_refuses_a_redis_restarted_empty_by_its_own_record(
