@@ -2,16 +2,19 @@
 local engines, the reference trainer, `rollstream metrics`), each serving on the $PORT a
 process manager would give it; PromQL through Prometheus' HTTP API then finds the
 trained groups rising, every trained group within the staleness bound, and no entry
-pending once the run is over. Prometheus is Debian's package (`make test` installs it
-where it can): skipped where the binary is missing, failing in CI."""
+pending once the run is over. Then the shipped Procfile under honcho: every process of
+it scraped, the engines' figures among them. Prometheus is Debian's package (`make test`
+installs it where it can): skipped where the binary is missing, failing in CI."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from honcho.environ import parse_procfile
 
 from rollstream.shared.embedded import EmbeddedRedis, free_port
 from tests.conftest import CI
 from tests.helpers import wait_for
+from tests.integration.test_procfile import BIN, ROOT, formation_env, process_env
 from tests.unit.test_dashboard import DASHBOARD, queries
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -228,3 +233,89 @@ def test_prometheus_scrapes_a_formation_and_promql_sees_the_run(
         prometheus.stop()
         for handle in logs.values():
             handle.close()
+
+
+def formation_ports(base: int, concurrency: dict[str, int]) -> dict[str, int]:
+    """honcho's $PORT of each process of the Procfile (``name.i``): base + 100 x its line's
+    index + its instance, as honcho gives them."""
+    names = list(parse_procfile((ROOT / "Procfile").read_text()).processes)
+    return {
+        f"{name}.{i + 1}": base + 100 * index + i
+        for index, name in enumerate(names)
+        for i in range(concurrency.get(name, 1))
+    }
+
+
+def free_base(concurrency: dict[str, int]) -> int:
+    """A base port whose every formation port is free now."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000, 100)
+        ports = formation_ports(base, concurrency).values()
+        if all(_free(p) for p in ports):
+            return base
+    raise RuntimeError("no free block of ports for the formation")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_prometheus_scrapes_every_process_of_the_procfile(
+    run_name: str, tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    """The shipped Procfile under honcho, on ports of its own: Prometheus scrapes every
+    process (the engines' figures asked of the engine actors, the judge, the feeder), and
+    PromQL sees the run train to its end within the staleness bound."""
+    binary = prometheus_binary()
+    concurrency = {"producer": 2}
+    base = free_base(concurrency)
+    ports = formation_ports(base, concurrency)
+    del ports["redis.1"]  # redis-server serves no metrics
+    values = formation_env(tmp_path, run_name)
+    values.update(ROLLSTREAM_STEPS="8", ROLLSTREAM_TRAIN_ARGS="--step-time 1.0")
+    env_file = tmp_path / "formation.env"
+    env_file.write_text("".join(f"{k}='{v}'\n" for k, v in values.items()))
+    env = {k: v for k, v in process_env(values).items() if k != "PORT"}
+    prometheus = Prometheus(binary, tmp_path, {name.replace(".", "_"): port for name, port in ports.items()})
+    try:
+        wait_for(prometheus.ready, timeout=60)
+        began = time.time()
+        with (tmp_path / "honcho.log").open("wb") as log:
+            honcho = subprocess.Popen(
+                [str(BIN / "honcho"), "start", "-e", str(env_file), "-c", "producer=2", "-p", str(base)],
+                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            started.append(honcho)
+            assert honcho.wait(timeout=300) == 0, (tmp_path / "honcho.log").read_text()[-4000:]
+        said = (tmp_path / "honcho.log").read_text()
+        assert "metrics.1 stopped (rc=0)" in said, said[-4000:]
+        ended = time.time()
+
+        run = f'run="{run_name}"'
+        for job in ports:  # every process was scraped
+            up = prometheus.scalar(f'max_over_time(up{{job="{job.replace(".", "_")}"}}[10m])')
+            assert up == 1.0, f"{job} was never scraped:\n{said[-3000:]}"
+        engines_up = prometheus.scalar(f"max(last_over_time(rollstream_engine_up{{{run}}}[10m]))")
+        assert engines_up == 1.0
+        rising = prometheus.series(f"max(rollstream_progress_consumed_total{{{run}}})", began, ended)
+        assert all(b >= a for a, b in itertools.pairwise(rising)), rising
+        assert len(set(rising)) >= 3, f"not seen rising, only {sorted(set(rising))}"
+        # the .env's bound (sync_weights_interval 1): no trained group staler than max_staleness
+        bound = f"{run},le='{float(values['ROLLSTREAM_ROLLOUT__MAX_STALENESS'])}'"
+        total = prometheus.scalar(
+            f"sum(last_over_time(rollstream_trained_group_staleness_count{{{run}}}[10m]))"
+        )
+        within = prometheus.scalar(
+            f"sum(last_over_time(rollstream_trained_group_staleness_bucket{{{bound}}}[10m]))"
+        )
+        assert total and within == total
+        # the producers timed the judge queue's jobs, which the judge process ran
+        judged = prometheus.scalar(f"sum(last_over_time(rollstream_judge_seconds_count{{{run}}}[10m]))")
+        assert judged and judged > 0
+    finally:
+        prometheus.stop()
