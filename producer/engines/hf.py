@@ -1,6 +1,14 @@
 """The Hugging Face engine: transformers on one device, CPU or GPU, for small real runs
-and tests. No continuous batching: the n samples of a request decode as one batch,
-and concurrent requests take turns, one decode step at a time.
+and tests.
+
+One decode thread per engine owns the model and the device. It runs step after step
+without handing back to the event loop: requests, aborts, pauses and new weights
+reach it through a queue and flags that it looks at between two steps, and each
+request's result goes back to the caller's event loop when the request ends. The
+rows (samples) of every running request decode together in one forward pass a
+step (see hf_decode: requests join and leave the batch at step boundaries);
+sampling and logprobs stay on the device, and one host sync a step brings the
+chosen tokens and their logprobs back.
 
 The decode loop is our own rather than ``model.generate`` so that every step is a
 point where the engine can stop (abort), wait (pause) or take new weights, and so
@@ -11,24 +19,32 @@ logits, whatever temperature and top_p did to the sampling: that is what the
 trainer recomputes. A stop string ends a sample at the token that completes it:
 the response ids and text both keep the stop string (the text is cut right after
 it), as EOS and stop_token_ids are kept, so text and ids agree.
+
+New weights are read (and checked against the model) outside the decode thread,
+while decoding goes on; the thread copies them in between two steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
+import logging
+import queue
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollstream.producer.engines import hf_decode
 from rollstream.producer.engines.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -38,17 +54,38 @@ from rollstream.producer.engines.base import (
     Generation,
     SamplingParams,
 )
+from rollstream.producer.engines.hf_decode import Batch, Row
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE
 from rollstream.shared.settings import EngineSettings, HFEngineSettings
+from rollstream.shared.transports import receive
 
-_T = TypeVar("_T")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IDLE_EXIT_S = 10.0  # an idle decode thread ends; the next request starts another
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
 class _Request:
     request_id: str
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    max_tokens: int
+    stops: set[int]
+    generator: torch.Generator | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[Generation]]
+    aborted: bool = False
+    rows: list[Row] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """Something to run in the decode thread between two steps (a weight copy, a barrier)."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
 
 
 class HFEngine:
@@ -71,13 +108,19 @@ class HFEngine:
         for value in eos:  # generation_config may name several (chat models end turns their own way)
             self._eos.update(value if isinstance(value, list) else [] if value is None else [value])
         self._context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self._params = dict(self.model.state_dict())
+        self._sources: dict[str, str] = {}  # where each tensor was last read from (transports)
         self._requests: dict[str, _Request] = {}
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        # One forward pass or weight load at a time: updates land between decode steps
-        self._lock = asyncio.Lock()
         self._started = time.monotonic()
         self._busy_s = 0.0  # in forward passes, since the start: health's busy_total
+        # the decode thread's side: its inbox, and the batches it owns
+        self._inbox: queue.SimpleQueue[_Request | _Call | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._pending: list[_Request] = []  # accepted, not yet prefilled
+        self._batches: list[Batch] = []
+        self._stopping = False
+        _ENGINES.add(self)
 
     def encode_prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         """Token ids of a plain prompt, or of chat messages through the tokenizer's template."""
@@ -92,9 +135,9 @@ class HFEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
     ) -> list[Generation]:
-        request = _Request(request_id or uuid.uuid4().hex)
-        if request.request_id in self._requests:
-            raise EngineError(f"hf engine: request {request.request_id!r} is already in flight")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise EngineError(f"hf engine: request {request_id!r} is already in flight")
         if not prompt_ids:
             raise EngineError("hf engine: empty prompt")
         max_tokens = params.max_tokens
@@ -102,35 +145,71 @@ class HFEngine:
             max_tokens = min(max_tokens, self._context - len(prompt_ids))
             if max_tokens <= 0 < params.max_tokens:
                 raise EngineError(f"hf engine: a prompt of {len(prompt_ids)} tokens fills the context")
-        self._requests[request.request_id] = request
+        if max_tokens <= 0:
+            empty = np.zeros(0, dtype=ID_DTYPE)
+            return [Generation(empty, empty.astype(LOGPROB_DTYPE), empty, FINISH_LENGTH) for _ in range(n)]
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        loop = asyncio.get_running_loop()
+        request = _Request(
+            request_id,
+            list(prompt_ids),
+            params,
+            n,
+            max_tokens,
+            set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
+            generator,
+            loop,
+            loop.create_future(),
+        )
+        self._requests[request_id] = request
         try:
-            return await self._decode(request, prompt_ids, params, n, max(max_tokens, 0))
-        except (RuntimeError, ValueError) as exc:  # torch's errors (out of memory, device lost)
-            raise EngineError(f"hf engine: request {request.request_id!r} failed: {exc}") from exc
+            self._send(request)
+            return await request.future
+        except asyncio.CancelledError:
+            request.aborted = True  # the thread drops its rows at the next step boundary
+            self._send(None)
+            raise
         finally:
-            del self._requests[request.request_id]
+            del self._requests[request_id]
 
     async def abort(self, request_ids: list[str] | None = None) -> int:
         ids = list(self._requests) if request_ids is None else [r for r in request_ids if r in self._requests]
         for request_id in ids:
-            self._requests[request_id].aborted.set()
+            self._requests[request_id].aborted = True
+        if ids:
+            self._send(None)  # a wake-up: a paused or idle thread answers aborts at once
         return len(ids)
 
     async def pause(self) -> None:
+        """Returns once the step in flight (if any) is done: no step runs until resume."""
         self.paused = True
-        self._resumed.clear()
-        async with self._lock:  # returns once the step in flight (if any) is done
-            pass
+        await self._call(lambda: None)
 
     async def resume(self) -> None:
         self.paused = False
-        self._resumed.set()
+        self._send(None)
 
     async def update_weights(self, model_step: int, path: str | None = None) -> None:
-        async with self._lock:
-            if path is not None:
-                await _in_thread(self._load_weights, Path(path))
+        """Read the weights (a directory of safetensors, or a transport's URI) while decoding
+        goes on, then copy them in between two decode steps; later tokens carry
+        ``model_step``."""
+        state: dict[str, torch.Tensor] = {}
+        sources = self._sources
+        if path:
+            state, sources = await asyncio.to_thread(self._read_weights, path)
+
+        def apply() -> None:
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    self._params[name].copy_(tensor, non_blocking=True)
+                if state and self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            self._sources = sources
             self.model_step = model_step
+
+        await self._call(apply)
 
     async def health(self) -> EngineHealth:
         running = 0 if self.paused else len(self._requests)
@@ -146,66 +225,215 @@ class HFEngine:
             busy_total=min(1.0, self._busy_s / max(1e-9, time.monotonic() - self._started)),
         )
 
-    # --- decoding ----------------------------------------------------------------------
+    # --- the hand-off ------------------------------------------------------------------
 
-    async def _decode(
-        self, request: _Request, prompt_ids: list[int], params: SamplingParams, n: int, max_tokens: int
-    ) -> list[Generation]:
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        versions: list[list[int]] = [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
-        texts: list[str | None] = [None] * n  # the text cut after a stop string
-        cache: Any = None
-        inputs = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        while max_tokens and None in reasons:
-            await self._wait_runnable(request)
-            if request.aborted.is_set():
-                break
-            async with self._lock:
-                if self.paused:  # paused while this request queued for the lock
+    def _send(self, item: _Request | _Call | None) -> None:
+        with self._thread_lock:
+            self._inbox.put(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hf-decode", daemon=True)
+                self._thread.start()
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """fn in the decode thread between two steps. A cancelled caller still waits for
+        it: a weight copy must not be left half done behind the caller's back."""
+        loop = asyncio.get_running_loop()
+        call = _Call(fn, loop, loop.create_future())
+        self._send(call)
+        return await _uncancellable(call.future)
+
+    # --- the decode thread -------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End the decode thread (at exit: torch must not be mid-step while the interpreter
+        goes away). Requests still running are aborted with what they have."""
+        self._stopping = True
+        with self._thread_lock:
+            thread = self._thread
+            self._inbox.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            runnable = not self.paused and bool(self._batches or self._pending)
+            try:
+                item = self._inbox.get_nowait() if runnable else self._inbox.get(timeout=_IDLE_EXIT_S)
+            except queue.Empty:
+                if runnable:
+                    item = None
+                else:
+                    with self._thread_lock:
+                        if self._inbox.empty() and not self._batches and not self._pending:
+                            self._thread = None
+                            return
                     continue
-                version = self.model_step
-                began = time.monotonic()
-                chosen, chosen_logprobs, cache = await _in_thread(
-                    self._step, inputs, cache, n, params, generator
-                )
-                self._busy_s += time.monotonic() - began
-            for i in range(n):
-                if reasons[i] is not None:  # finished: keeps decoding in the batch, ignored
-                    continue
-                tokens[i].append(chosen[i])
-                logprobs[i].append(chosen_logprobs[i])
-                versions[i].append(version)
-                reasons[i] = self._finished(tokens[i], params, stops, max_tokens, texts, i)
-            inputs = torch.tensor(chosen, dtype=torch.long, device=self.device).unsqueeze(1)
-            if request.aborted.is_set():
-                break
-        out = []
-        for i in range(n):
-            reason = reasons[i] or (FINISH_ABORT if request.aborted.is_set() else FINISH_LENGTH)
-            text = texts[i]
-            text = self._text(tokens[i]) if text is None else text
-            ids = np.asarray(tokens[i], dtype=ID_DTYPE)
-            steps = np.asarray(versions[i], dtype=ID_DTYPE)
-            out.append(
-                Generation(ids, np.asarray(logprobs[i], dtype=LOGPROB_DTYPE), steps, reason, text=text)
+            self._take(item)
+            while not self._inbox.empty():
+                self._take(self._inbox.get_nowait())
+            self._drop_aborted()
+            if self.paused:
+                continue
+            try:
+                self._advance()
+            except Exception as exc:  # torch's errors (out of memory, device lost): fail them
+                log.exception("hf engine: decode step failed")
+                for request in self._running():
+                    _resolve(request, EngineError(f"hf engine: request {request.request_id!r} failed: {exc}"))
+                self._batches.clear()
+                self._pending.clear()
+        for request in self._running():
+            request.aborted = True
+            self._finish(request)
+        self._batches.clear()
+        self._pending.clear()
+        with self._thread_lock:
+            self._thread = None
+
+    def _take(self, item: _Request | _Call | None) -> None:
+        if isinstance(item, _Request):
+            self._pending.append(item)
+        elif isinstance(item, _Call) and item.future is not None:
+            try:
+                _resolve_call(item, item.fn(), None)
+            except Exception as exc:  # handed to the caller
+                _resolve_call(item, None, exc)
+
+    def _running(self) -> list[_Request]:
+        seen: dict[int, _Request] = {id(r): r for r in self._pending}
+        for batch in self._batches:
+            for row in batch.rows:
+                seen[id(row.owner)] = row.owner
+        return list(seen.values())
+
+    def _drop_aborted(self) -> None:
+        for request in [r for r in self._pending if r.aborted]:
+            self._pending.remove(request)
+            self._finish(request)
+        for batch in self._batches:
+            if any(row.owner.aborted for row in batch.rows):
+                self._leave(batch, {id(r.owner): r.owner for r in batch.rows if r.owner.aborted})
+
+    def _leave(self, batch: Batch, ending: dict[int, _Request]) -> None:
+        keep = [i for i, row in enumerate(batch.rows) if id(row.owner) not in ending]
+        if keep:
+            hf_decode.select(batch, keep)
+            batch.sampling = hf_decode.sampling_for(batch.rows, _params_of, self.device)
+        else:
+            self._batches.remove(batch)
+        for request in ending.values():
+            self._finish(request)
+
+    def _advance(self) -> None:
+        """Prefill what waits, merge it in, then one decode step of every batch."""
+        fresh = None
+        if self._pending:
+            requests, self._pending = self._pending, []
+            fresh = self._prefill(requests)
+        for batch in list(self._batches):
+            self._decode(batch)
+        if fresh is not None:
+            target = next((b for b in self._batches if hf_decode.mergeable(b.cache)), None)
+            if target is not None and hf_decode.mergeable(fresh.cache):
+                hf_decode.merge(target, fresh)
+                target.sampling = hf_decode.sampling_for(target.rows, _params_of, self.device)
+            else:
+                self._batches.append(fresh)
+
+    def _prefill(self, requests: list[_Request]) -> Batch | None:
+        rows: list[Row] = []
+        for request in requests:
+            request.rows = [Row(request) for _ in range(request.n)]
+            rows.extend(request.rows)
+        inputs, mask = hf_decode.prompt_batch([r.prompt_ids for r in requests], self.device)
+        sampling = hf_decode.sampling_for(rows, _params_of, self.device)
+        batch = Batch(rows, None, inputs, mask, None, sampling)
+        batch.positions = None if mask is None else mask.sum(dim=1)
+        self._decode(batch, counts=[r.n for r in requests])
+        return batch if batch.rows else None
+
+    def _decode(self, batch: Batch, counts: list[int] | None = None) -> None:
+        version = self.model_step
+        began = time.monotonic()
+        chosen, logprobs = self._step(batch, counts)
+        self._busy_s += time.monotonic() - began
+        ending: dict[int, _Request] = {}
+        for row, token, logprob in zip(batch.rows, chosen, logprobs, strict=True):
+            if row.reason is not None:  # finished: keeps decoding in the batch, ignored
+                continue
+            row.tokens.append(int(token))
+            row.logprobs.append(logprob)
+            row.versions.append(version)
+            request = row.owner
+            row.reason = self._finished(row, request.params, request.stops, request.max_tokens)
+            if row.reason is not None and all(r.reason is not None for r in request.rows):
+                ending[id(request)] = request
+        if ending:
+            if batch in self._batches:
+                self._leave(batch, ending)
+            else:  # a fresh batch: done in its prefill
+                keep = [i for i, row in enumerate(batch.rows) if id(row.owner) not in ending]
+                if keep:
+                    hf_decode.select(batch, keep)
+                    batch.sampling = hf_decode.sampling_for(batch.rows, _params_of, self.device)
+                else:
+                    batch.rows = []
+                for request in ending.values():
+                    self._finish(request)
+
+    @torch.no_grad()
+    def _step(self, batch: Batch, counts: list[int] | None = None) -> tuple[list[float], list[float]]:
+        """One forward pass of the batch and the next token of each row, with its logprob:
+        one host sync. ``counts``: a prefill of the batch's prompts, each repeated for its
+        request's n samples (the prompt's prefill runs once)."""
+        mask, positions = batch.mask, None
+        if counts is None and mask is not None:
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            positions = batch.positions.unsqueeze(1) if batch.positions is not None else None
+        elif mask is not None:
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=batch.inputs,
+            past_key_values=batch.cache,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]
+        batch.cache = out.past_key_values
+        if counts is not None and (len(counts) != logits.shape[0] or any(c != 1 for c in counts)):
+            index = torch.repeat_interleave(
+                torch.arange(len(counts), device=logits.device), torch.tensor(counts, device=logits.device)
             )
-        return out
+            logits = logits[index]
+            batch.cache.batch_select_indices(index)
+            if mask is not None:
+                mask = mask[index]
+        if counts is not None:
+            batch.positions = None if mask is None else mask.sum(dim=1)
+        elif batch.positions is not None:
+            batch.positions = batch.positions + 1
+        batch.mask = mask
+        chosen, logprobs = hf_decode.sample(logits, batch.sampling)
+        batch.inputs = chosen.unsqueeze(1)
+        host = torch.stack([chosen.double(), logprobs.double()]).tolist()
+        return host[0], host[1]
 
-    def _finished(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        stops: set[int],
-        max_tokens: int,
-        texts: list[str | None],
-        i: int,
-    ) -> str | None:
+    def _finish(self, request: _Request) -> None:
+        out = []
+        rows = request.rows or [Row(request) for _ in range(request.n)]
+        for row in rows:
+            reason = row.reason or (FINISH_ABORT if request.aborted else FINISH_LENGTH)
+            text = row.text if row.text is not None else self._text(row.tokens)
+            ids = np.asarray(row.tokens, dtype=ID_DTYPE)
+            steps = np.asarray(row.versions, dtype=ID_DTYPE)
+            logprobs = np.asarray(row.logprobs, dtype=LOGPROB_DTYPE)
+            out.append(Generation(ids, logprobs, steps, reason, text=text))
+        _resolve(request, out)
+
+    def _finished(self, row: Row, params: SamplingParams, stops: set[int], max_tokens: int) -> str | None:
+        ids = row.tokens
         if ids[-1] in stops:
             return FINISH_STOP
         if params.stop:
@@ -216,98 +444,87 @@ class HFEngine:
             if any(s and s in self._text(ids[-window:]) for s in params.stop):
                 text = self._text(ids)
                 hits = [text.find(s) + len(s) for s in params.stop if s and s in text]
-                texts[i] = text[: min(hits)] if hits else text
+                row.text = text[: min(hits)] if hits else text
                 return FINISH_STOP
         return FINISH_LENGTH if len(ids) >= max_tokens else None
 
     def _text(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    async def _wait_runnable(self, request: _Request) -> None:
-        if self._resumed.is_set():
+    # --- weights -------------------------------------------------------------------------
+
+    def _read_weights(self, uri: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The tensors at ``uri`` (a transport's, or a directory of safetensors), checked
+        against the model before anything is copied."""
+        try:
+            sources = dict(self._sources)
+            state = dict(receive(uri, sources))
+        except EngineError:
+            raise
+        except Exception as exc:  # a transport's failure, named with its URI
+            raise EngineError(f"hf engine: cannot read the weights at {uri!r}: {exc}") from exc
+        check_fit(uri, state, self._params)
+        return state, sources
+
+
+def check_fit(uri: str, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+    """save_pretrained leaves tied weights (lm_head = embeddings) out of the files, so a
+    full set may lack them; a set of only the changed tensors may lack any. What it has
+    must be the model's names and shapes."""
+    unexpected = [k for k in state if k not in params]
+    shapes = [k for k in state if k in params and state[k].shape != params[k].shape]
+    if unexpected or shapes:
+        raise EngineError(
+            f"hf engine: weights at {uri!r} do not fit the model: "
+            f"unexpected {unexpected[:3]}, other shapes {shapes[:3]}"
+        )
+
+
+_ENGINES: weakref.WeakSet[HFEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for engine in list(_ENGINES):
+        engine.stop()
+
+
+def _params_of(request: _Request) -> SamplingParams:
+    return request.params
+
+
+def _resolve(request: _Request, value: list[Generation] | BaseException) -> None:
+    def settle() -> None:
+        if request.future.done():  # cancelled meanwhile
             return
-        waits = [asyncio.ensure_future(self._resumed.wait()), asyncio.ensure_future(request.aborted.wait())]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-
-    @torch.no_grad()
-    def _step(
-        self,
-        inputs: torch.Tensor,
-        cache: Any,
-        n: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> tuple[list[int], list[float], Any]:
-        """One forward pass (in a worker thread: no_grad is per thread, hence here) and
-        the next token of each sample. The prompt's prefill runs once and its cache is
-        repeated n times."""
-        out = self.model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :].float()
-        cache = out.past_key_values
-        if logits.shape[0] != n:
-            logits = logits.repeat(n, 1)
-            cache.batch_repeat_interleave(n)
-        logp = torch.log_softmax(logits, dim=-1)
-        if params.temperature <= 0:
-            chosen = logits.argmax(dim=-1)
+        if isinstance(value, BaseException):
+            request.future.set_exception(value)
         else:
-            probs = torch.softmax(logits / params.temperature, dim=-1)
-            if params.top_p < 1.0:
-                probs = _top_p(probs, params.top_p)
-            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
-        return chosen.tolist(), chosen_logp.tolist(), cache
+            request.future.set_result(value)
 
-    def _load_weights(self, path: Path) -> None:
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise EngineError(f"hf engine: no *.safetensors in {str(path)!r}")
-        state: dict[str, torch.Tensor] = {}
-        try:
-            for file in files:
-                state.update(load_file(file))
-        except (OSError, SafetensorError) as exc:
-            raise EngineError(f"hf engine: cannot read the weights in {str(path)!r}: {exc}") from exc
-        params = self.model.state_dict()
-        # save_pretrained leaves tied weights (lm_head = embeddings) out of the files,
-        # so strict loading would refuse them: check the fit here, before copying
-        # anything (load_state_dict copies what fits before it raises on the rest)
-        loaded = {params[k].data_ptr() for k in state if k in params}
-        missing = [k for k in params if k not in state and params[k].data_ptr() not in loaded]
-        unexpected = [k for k in state if k not in params]
-        shapes = [k for k in state if k in params and state[k].shape != params[k].shape]
-        if missing or unexpected or shapes:
-            raise EngineError(
-                f"hf engine: weights at {str(path)!r} do not fit the model: "
-                f"missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {shapes[:3]}"
-            )
-        with torch.no_grad():
-            self.model.load_state_dict(state, strict=False)
+    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits for it
+        request.loop.call_soon_threadsafe(settle)
 
 
-async def _in_thread(fn: Callable[..., _T], *args: Any) -> _T:
-    """fn in a worker thread, so the event loop serves abort, pause and health meanwhile.
-    A cancelled caller still waits for the thread: the lock it holds must not be
-    released while the model is busy (a weight load would race the forward pass)."""
-    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+def _resolve_call(call: _Call, value: Any, exc: BaseException | None) -> None:
+    def settle() -> None:
+        if call.future.done():
+            return
+        if exc is not None:
+            call.future.set_exception(exc)
+        else:
+            call.future.set_result(value)
+
+    with contextlib.suppress(RuntimeError):
+        call.loop.call_soon_threadsafe(settle)
+
+
+async def _uncancellable(future: asyncio.Future[Any]) -> Any:
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
         await asyncio.wait([future])
         raise
-
-
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (the first
-    token always stays)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
-    sorted_probs[before >= top_p] = 0.0
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
 def from_settings(settings: EngineSettings) -> HFEngine:

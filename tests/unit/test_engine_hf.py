@@ -26,7 +26,7 @@ from rollstream.producer.engines.base import (
 )
 from rollstream.producer.engines.hf import HFEngine
 from rollstream.shared.settings import HFEngineSettings
-from tests.helpers import wait_for_async
+from tests.helpers import wait_for, wait_for_async
 from tests.hf_fixtures import make_tokenizer, save_model
 
 PROMPT = "the cat sat on the mat"
@@ -301,6 +301,66 @@ def test_missing_model_dir_and_bad_weights(tmp_path: Path, engine: HFEngine) -> 
     with pytest.raises(EngineError):
         run(engine.update_weights(1, str(other)))
     assert engine.model_step == 3
+
+
+def test_decodes_while_the_event_loop_is_held(engine: HFEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode thread runs step after step on its own: a request goes on while the
+    caller's event loop is held (a hand-off through the loop at each step stands still)."""
+    prompt = engine.encode_prompt(PROMPT)
+    steps = count_steps(engine, monkeypatch)
+
+    async def scenario() -> Any:
+        task = asyncio.create_task(engine.generate(prompt, greedy(400), request_id="r"))
+        await wait_for_steps(steps, 1)
+        wait_for(lambda: steps[0] >= 20, timeout=30, interval=0.001)  # holds the loop
+        assert await engine.abort(["r"]) == 1
+        return (await task)[0]
+
+    gen = run(scenario())
+    assert gen.finish_reason == FINISH_ABORT and 20 <= len(gen.response_ids) < 400
+
+
+def test_concurrent_requests_decode_in_one_batch(engine: HFEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests of different prompt lengths, greedy and seeded, running together: each
+    gets what it gets alone (tokens, logprobs), from shared forward passes."""
+    texts = ["the cat sat on the mat", "a quick brown fox", "one two three four five six seven eight"]
+    prompts = [engine.encode_prompt(t) for t in texts]
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    params = [greedy(10), sampled, greedy(6)]
+    alone = [run(engine.generate(p, q, n=2)) for p, q in zip(prompts, params, strict=True)]
+    steps = count_steps(engine, monkeypatch)
+
+    async def together() -> list[list[Any]]:
+        return list(
+            await asyncio.gather(*(engine.generate(p, q, n=2) for p, q in zip(prompts, params, strict=True)))
+        )
+
+    both = run(together())
+    for mine, theirs in zip(both, alone, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.response_ids.tolist() == b.response_ids.tolist()
+            assert torch.allclose(torch.from_numpy(a.logprobs), torch.from_numpy(b.logprobs), atol=1e-4)
+    assert steps[0] <= 10 + 2  # one request a step would take 10 + 10 + 6
+
+
+def test_abort_of_one_request_leaves_the_batch_going(
+    engine: HFEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt, other = engine.encode_prompt(PROMPT), engine.encode_prompt("a quick brown fox jumps")
+    expected = run(engine.generate(other, greedy(40)))[0].response_ids.tolist()
+    steps = count_steps(engine, monkeypatch)
+
+    async def scenario() -> tuple[Any, Any]:
+        long = asyncio.create_task(engine.generate(prompt, greedy(100_000), n=3, request_id="long"))
+        await wait_for_steps(steps, 2)
+        short = asyncio.create_task(engine.generate(other, greedy(40), request_id="short"))
+        await wait_for_steps(steps, steps[0] + 4)
+        assert await engine.abort(["long"]) == 1
+        return (await long), (await short)[0]
+
+    long, short = run(asyncio.wait_for(scenario(), 60))
+    assert all(g.finish_reason == FINISH_ABORT for g in long)
+    assert short.finish_reason == FINISH_LENGTH and short.response_ids.tolist() == expected
 
 
 @pytest.mark.gpu

@@ -1,0 +1,207 @@
+"""The hf engine's decode batch: the rows (samples) of every running request in one
+KV cache, one forward pass a step, sampling and logprobs on the device and one host
+sync a step. Used only from the engine's decode thread.
+
+Requests join at a step boundary: their prompts are prefilled together (left-padded
+when their lengths differ) and the new rows merged into the running batch, the
+shorter cache padded on the left and masked. Rows leave when their request ends
+(finished, aborted), by index selection of the cache. A cache that cannot be merged
+(not a plain DynamicCache of full-attention layers) keeps its requests in a batch of
+their own: the engine then steps its batches in turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollstream.producer.engines.base import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class Row:
+    """One sample of one request: what it has produced so far."""
+
+    owner: Any  # the engine's request record
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reason: str | None = None
+    text: str | None = None  # the text cut after a stop string
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    rows: list[Row]
+    cache: Any
+    inputs: torch.Tensor  # [B, 1] the last token of each row (or the prompts, before prefill)
+    mask: torch.Tensor | None  # [B, L] 1 for real tokens, None when no row is padded
+    positions: torch.Tensor | None  # [B] position id of the next token, None when aligned
+    sampling: Sampling
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(slots=True, eq=False)
+class Sampling:
+    """Per-row sampling parameters as device tensors, built when the rows change."""
+
+    temperature: torch.Tensor  # [B, 1] (1 where greedy)
+    greedy: torch.Tensor  # [B] bool
+    top_p: torch.Tensor | None  # [B, 1], None when every row keeps the whole distribution
+    all_greedy: bool
+    # (first row, row count, generator) of the rows whose request has a seed
+    generators: list[tuple[int, int, torch.Generator]]
+
+
+def sampling_for(
+    rows: list[Row], params_of: Callable[[Any], SamplingParams], device: torch.device
+) -> Sampling:
+    temps, greedy, top_ps = [], [], []
+    generators: list[tuple[int, int, torch.Generator]] = []
+    previous: Any = None
+    for i, row in enumerate(rows):
+        params = params_of(row.owner)
+        temps.append(params.temperature if params.temperature > 0 else 1.0)
+        greedy.append(params.temperature <= 0)
+        top_ps.append(params.top_p)
+        generator = row.owner.generator
+        if generator is not None:
+            if row.owner is previous:
+                first, count, _ = generators[-1]
+                generators[-1] = (first, count + 1, generator)
+            else:
+                generators.append((i, 1, generator))
+        previous = row.owner
+    return Sampling(
+        temperature=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        top_p=None if all(p >= 1.0 for p in top_ps) else torch.tensor(top_ps, device=device).unsqueeze(1),
+        all_greedy=all(greedy),
+        generators=generators,
+    )
+
+
+def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row and its logprob under the raw (untempered) distribution,
+    both still on the device. Sampling draws by the exponential race (argmax of p / E,
+    E ~ Exp(1)), which is a draw from p: each seeded request's noise comes from its own
+    generator, so its draws do not depend on the rows beside it."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    if sampling.all_greedy:
+        chosen = logits.argmax(dim=-1)
+    else:
+        probs = torch.softmax(logits / sampling.temperature, dim=-1)
+        if sampling.top_p is not None:
+            probs = top_p(probs, sampling.top_p)
+        noise = torch.empty_like(probs).exponential_()
+        for first, count, generator in sampling.generators:
+            noise[first : first + count].exponential_(generator=generator)
+        drawn = (probs / noise).argmax(dim=-1)
+        chosen = torch.where(sampling.greedy, logits.argmax(dim=-1), drawn)
+    return chosen, logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def top_p(probs: torch.Tensor, keep: torch.Tensor | float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (the first
+    token always stays); ``keep`` per row ([B, 1]) or one for all."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
+    sorted_probs = sorted_probs.masked_fill(before >= keep, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def prompt_batch(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prompts left-padded into one tensor, with the attention mask when any is padded."""
+    width = max(len(p) for p in prompts)
+    if all(len(p) == width for p in prompts):
+        return torch.tensor(prompts, dtype=torch.long, device=device), None
+    ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def mergeable(cache: Any) -> bool:
+    """A plain DynamicCache whose layers hold full keys and values (no sliding window)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def merge(a: Batch, b: Batch) -> Batch:
+    """b's rows appended to a's, in one cache: the shorter history padded on the left."""
+    la, lb = cache_length(a.cache), cache_length(b.cache)
+    width = max(la, lb)
+    device = a.inputs.device
+    for mine, theirs in zip(a.cache.layers, b.cache.layers, strict=True):
+        mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], dim=0)
+        mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], dim=0)
+    masks = [_full_mask(x, length, width, device) for x, length in ((a, la), (b, lb))]
+    mask = torch.cat(masks, dim=0)
+    positions = torch.cat([_positions(a, la), _positions(b, lb)], dim=0)
+    a.rows.extend(b.rows)
+    a.inputs = torch.cat([a.inputs, b.inputs], dim=0)
+    a.positions = positions
+    a.mask = None if bool(mask.all()) else mask
+    if a.mask is None:
+        a.positions = None
+    return a
+
+
+def select(batch: Batch, keep: list[int]) -> None:
+    """Only the rows ``keep`` stay in the batch (and its cache)."""
+    index = torch.tensor(keep, dtype=torch.long, device=batch.inputs.device)
+    batch.cache.batch_select_indices(index)
+    batch.rows = [batch.rows[i] for i in keep]
+    batch.inputs = batch.inputs[index]
+    if batch.mask is not None:
+        batch.mask = batch.mask[index]
+        first = int(batch.mask.sum(dim=0).nonzero()[0]) if batch.mask.any() else 0
+        if first:  # columns no row attends to any more: out of the cache
+            for layer in batch.cache.layers:
+                layer.keys = layer.keys[:, :, first:]
+                layer.values = layer.values[:, :, first:]
+            batch.mask = batch.mask[:, first:]
+        if bool(batch.mask.all()):
+            batch.mask = None
+    if batch.positions is not None:
+        batch.positions = batch.positions[index]
+        if batch.mask is None:
+            batch.positions = None
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    pad = width - t.shape[-2]
+    if pad == 0:
+        return t
+    zeros = torch.zeros((*t.shape[:-2], pad, t.shape[-1]), dtype=t.dtype, device=t.device)
+    return torch.cat([zeros, t], dim=-2)
+
+
+def _full_mask(batch: Batch, length: int, width: int, device: torch.device) -> torch.Tensor:
+    mask = batch.mask
+    if mask is None:
+        mask = torch.ones((len(batch), length), dtype=torch.long, device=device)
+    if width > mask.shape[1]:
+        zeros = torch.zeros((len(batch), width - mask.shape[1]), dtype=torch.long, device=device)
+        mask = torch.cat([zeros, mask], dim=1)
+    return mask
+
+
+def _positions(batch: Batch, length: int) -> torch.Tensor:
+    if batch.positions is not None:
+        return batch.positions
+    return torch.full((len(batch),), length, dtype=torch.long, device=batch.inputs.device)
