@@ -9,6 +9,8 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
   learning     bench/learning.py: a model learns through rollstream; sync vs async steps and seconds
   vllm_pipeline bench/vllm_pipeline.py (P5): rollstream on a vLLM engine against vLLM alone;
                the weight-sync time of each engine kind
+  metrics_scrape bench/metrics_scrape.py: Redis time of one scrape of `rollstream metrics`,
+               at 1 and 64 producers
 
     .venv/bin/python bench/run_all.py            # ~20 min on 2 cores
     .venv/bin/python bench/run_all.py --quick    # ~2 min, smoke sizes
@@ -36,6 +38,7 @@ BENCHES: dict[str, list[str]] = {
     "summary": [],
     "learning": [],
     "vllm_pipeline": [],
+    "metrics_scrape": [],
 }
 
 
@@ -164,6 +167,13 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             "target": vllm["targets"]["ratio"],
             "sync_ms": vllm["sync_ms"],
         }
+    if scrape := read_json(RESULTS / "metrics_scrape.json"):
+        out["metrics_scrape"] = {
+            "redis_us_per_scrape_64": scrape["redis_us_per_scrape_64"],
+            "redis_us_per_scrape_1": scrape["by_producers"]["1"]["redis_us_per_scrape"],
+            "commands_per_scrape": scrape["by_producers"]["64"]["commands_per_scrape"],
+            "goal_us": scrape["goal_us"],
+        }
     if durability := read_json(RESULTS / "durability.json"):
         out["durability"] = {
             "ratio_always_vs_everysec": durability["ratio_always_vs_everysec"],
@@ -253,6 +263,16 @@ def summary_table(r: dict[str, Any]) -> str:
             f"{' / '.join(s['groups_per_s'])} producer processes",
             "-",
             None,
+        )
+    if s := r.get("metrics_scrape"):
+        add(
+            "metrics.redis_us_per_scrape",
+            f"{s['redis_us_per_scrape_64']:.0f} µs",
+            f"Redis time of one scrape of `rollstream metrics` at 64 producers "
+            f"({s['redis_us_per_scrape_1']:.0f} µs at 1; {s['commands_per_scrape']:.0f} commands, "
+            "one pipelined round trip)",
+            f"< {s['goal_us']:.0f} µs",
+            s["redis_us_per_scrape_64"] < s["goal_us"],
         )
     if d := r.get("durability"):
         add(

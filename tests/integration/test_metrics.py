@@ -5,10 +5,12 @@ Redis-side figures as a process of its own and stops with the run."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 import redis
@@ -135,3 +137,18 @@ def test_the_metrics_process_without_a_port_says_how_to_give_one(
     assert (
         "no metrics port: set metrics.port (ROLLSTREAM_METRICS__PORT) or $PORT" in done.stderr + done.stdout
     )
+
+
+def test_the_scrape_cost_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    """bench/metrics_scrape.py as `make bench` runs it: one pipelined round trip a scrape,
+    whatever the number of producers (its timing lives in the benchmark's output)."""
+    env = {**os.environ, "ROLLSTREAM_BENCH_RESULTS": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "bench/metrics_scrape.py", "--quick"],
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "metrics_scrape.json").read_text())
+    by = result["by_producers"]
+    assert by["1"]["commands_per_scrape"] == by["64"]["commands_per_scrape"]  # not one per producer
+    assert result["redis_us_per_scrape_64"] > 0
