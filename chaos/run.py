@@ -315,11 +315,12 @@ class Chaos:
                 self.note("kill -9", name)
 
     def _kill_trainer_repeatedly(self) -> None:
-        """kill -9 of the trainer, TRAINER_KILLS times within one train step: each time its
-        batch's groups have been delivered to it again (read, not yet committed)."""
+        """kill -9 of the trainer, TRAINER_KILLS times within one train step: each time it
+        holds its batch again (read, or re-read after the last kill: every pending group
+        delivered or touched since then), before its commit."""
         step = self._train_step()
         stream = self.keys.groups(TASK)
-        seen: dict[Any, int] = {}
+        last_kill = -math.inf
         kills = 0
         deadline = time.monotonic() + 120
         while kills < TRAINER_KILLS and time.monotonic() < deadline and self._train_step() == step:
@@ -327,14 +328,14 @@ class Chaos:
                 pending = self.client().xpending_range(stream, TRAINER, "-", "+", 1000)
             except redis.RedisError:
                 pending = []
-            delivered = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+            since_ms = (time.monotonic() - last_kill) * 1000
             child = self.children["trainer"]
-            if delivered and any(n > seen.get(i, 0) for i, n in delivered.items()):
+            if pending and all(int(p["time_since_delivered"]) < since_ms for p in pending):
                 with self.lock:
                     if child.alive and child.proc is not None:
                         child.proc.kill()
                         kills += 1
-                        seen = delivered
+                        last_kill = time.monotonic()
                         self.note(
                             "kill -9",
                             f"trainer within one step ({kills} of {TRAINER_KILLS}, step {step + 1})",

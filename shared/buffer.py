@@ -606,40 +606,46 @@ class ReplayBuffer:
     # --- mechanics -------------------------------------------------------------------
 
     def _own_pending(self, task: str, count: int) -> list[Entry]:
+        """This consumer's pending groups from before a restart, oldest first, a page of
+        ``count`` per call. Read with XPENDING + XRANGE, not a history XREADGROUP, which
+        Redis would count as one more delivery of each: a restart is not charged against
+        the groups. A trainer killed from outside (the OOM killer, a preemption, a person)
+        before its commit redoes its step on the same groups however often that happens,
+        and another consumer that takes them over later does not find them used up."""
         stream = self.keys.groups(task)
-        start = self._recover_from.get(task, "0")
-        read = self.streams.read([GROUPS], task, count, start=start)
-        self._recover_from[task] = read[-1].id if len(read) == count else RECOVERED
+        start = self._recover_from.get(task, "-")
+        if start == "-":  # shown in XINFO CONSUMERS from its start, as a history read would
+            self.client.xgroup_createconsumer(stream, TRAINER, self.consumer)
+        pending = self.client.xpending_range(
+            stream, TRAINER, min=start, max="+", count=count, consumername=self.consumer
+        )
+        self._recover_from[task] = (
+            f"({text(pending[-1]['message_id'])}" if len(pending) == count else RECOVERED
+        )
+        if not pending:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for p in pending:
+            pipe.xrange(stream, p["message_id"], p["message_id"])
+        found = pipe.execute()
         entries = []
-        for entry in read:
-            if entry.fields:
+        for p, rows in zip(pending, found, strict=True):
+            entry = Entry(stream, GROUPS, task, text(p["message_id"]), {}, int(p["times_delivered"]))
+            if rows:
+                entry.fields = rows[0][1]
                 entries.append(entry)
             else:  # deleted while pending: nothing left to train on, but say so
                 self.dead_letter(entry, "deleted while pending")
         if entries:
-            # A re-read after a restart is not charged against the groups: a trainer killed
-            # from outside (OOM killer, preemption, an operator) before its commit redoes its
-            # step on the same groups however often that happens. Say so past max_attempts:
-            # a group that itself kills the trainer is for the operator to move.
-            pending = self.client.xpending_range(
-                stream, TRAINER, min=entries[0].id, max=entries[-1].id, count=len(entries),
-                consumername=self.consumer,
+            # what XREADGROUP would have done: reset their idle time (no delivery counted),
+            # so that no other consumer takes them before this reader's first touch
+            lost = set(self.touch(entries))
+            entries = [e for e in entries if e.id not in lost]
+            log.info(
+                "re-read %d groups of %s pending for %s from before its restart: the step is "
+                "redone on them. If one of them crashes the trainer, move it with "
+                "`rollstream dead-letter %s:%s <id> --reason ...` (ids %s)",
+                len(entries), stream, self.consumer, GROUPS, task,
+                ", ".join(e.id for e in entries[:8]) + (" ..." if len(entries) > 8 else ""),
             )  # fmt: skip
-            counts = {text(p["message_id"]): int(p["times_delivered"]) for p in pending}
-            max_attempts = self.settings.buffer.max_attempts
-            over = []
-            for entry in entries:
-                entry.deliveries = counts.get(entry.id, 1)
-                if entry.deliveries > max_attempts:
-                    over.append(entry)
-            if over:
-                log.warning(
-                    "%d groups of %s pending for %s re-read after %d or more restarts before a "
-                    "commit (more than buffer.max_attempts %d); kept, not dead-lettered. If one "
-                    "of them crashes the trainer, move it with `rollstream dead-letter %s <id> "
-                    "--reason ...` (ids %s)",
-                    len(over), stream, self.consumer, min(e.deliveries for e in over) - 1,
-                    max_attempts, f"{GROUPS}:{task}",
-                    ", ".join(e.id for e in over[:8]) + (" ..." if len(over) > 8 else ""),
-                )  # fmt: skip
         return entries
