@@ -56,7 +56,7 @@ class TrainBatch:
         assert self._buffer is not None
         foreign: list[str] = []
         for batch in self.batches.values():
-            foreign += self._buffer.commit(batch)
+            foreign += self._buffer.commit(batch, self.train_step)
         RunControl(self._buffer.client, self._buffer.keys).advance_train_step(self.train_step)
         return foreign
 

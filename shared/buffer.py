@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from rollstream.shared import codec
+from rollstream.shared import codec, telemetry
 from rollstream.shared.errors import DecodeError, FeederError, FormatError, ReplayBufferError
 from rollstream.shared.keys import (
     ABORTED,
@@ -52,6 +52,7 @@ from rollstream.shared.streams import ConsumerStreams, Entry, Settle, pairs, sto
 FEED_CHUNK = 500
 log = logging.getLogger(__name__)
 RECOVERED = "done"
+ARCHIVE_WARN_S = 30.0  # the trainer's warnings of an archive that lags, at most this often
 
 
 BATCH_META = "rollstream_batch"  # the coordinator batch a prompt belongs to, in its meta
@@ -157,6 +158,9 @@ class ReplayBuffer:
         # back by reclaim once idle claim_idle_ms, like a dead consumer's.
         self._held: dict[str, dict[str, Entry]] = {}
         self._held_lock = threading.Lock()
+        # when the trainer last warned of the archive's lag, and of groups deleted unarchived
+        self._archive_warned = {"lag": -ARCHIVE_WARN_S, "trimmed": -ARCHIVE_WARN_S}
+        self._archive_trimmed = 0  # groups the trained log's cap trimmed since that warning
 
     # --- streams and groups ----------------------------------------------------------
 
@@ -478,19 +482,57 @@ class ReplayBuffer:
                 raise refused_format(exc, entry) from None
         return batch
 
-    def commit(self, batch: Batch) -> list[str]:
+    def commit(self, batch: Batch, train_step: int = -1) -> list[str]:
         """Ack + delete the batch's groups after the train step; returns the ids that
-        were no longer this trainer's (reclaimed by another consumer)."""
+        were no longer this trainer's (reclaimed by another consumer). With an archive
+        (archive.keep > 0) they are acked but not deleted: an entry per group, with
+        ``train_step``, goes to the task's trained log in the same script, and the archiver
+        deletes the group once it has written it (consumer/archive.py)."""
         if not batch.items:
             return []
         ids = [item.entry.id for item in batch.items]
         keys = [self.keys.groups(batch.task), self.keys.progress]
         args = [TRAINER, self.consumer, progress_field(batch.task, Count.CONSUMED), *ids]
+        keep = self.settings.archive.keep
         try:
-            foreign = self.scripts.commit(keys=keys, args=args)
+            if keep > 0:
+                args[3:3] = [str(train_step), repr(time.time()), str(keep)]
+                foreign, length, trimmed = self.scripts.commit_logged(
+                    keys=[*keys, self.keys.trained(batch.task)], args=args
+                )
+                self._archive_lag(batch.task, int(length), int(trimmed))
+            else:
+                foreign = self.scripts.commit(keys=keys, args=args)
         finally:
             self.release(item.entry for item in batch.items)
         return [text(i) for i in foreign]
+
+    def _archive_lag(self, task: str, length: int, trimmed: int) -> None:
+        """Warn when the task's trained log nears archive.keep, where the commit deletes its
+        oldest unarchived groups, and when it has deleted some (each at most every
+        ARCHIVE_WARN_S): the trainer never waits for the archiver, so this is all an archive
+        that lags or is stopped costs."""
+        settings, warned = self.settings.archive, self._archive_warned
+        now = time.monotonic()
+        if trimmed > 0:
+            self._archive_trimmed += trimmed
+            telemetry.archive_trimmed(trimmed)
+            if now - self._archive_warned["trimmed"] >= ARCHIVE_WARN_S:
+                self._archive_warned["trimmed"] = now
+                log.warning(
+                    "%d trained groups were deleted unarchived: the trained log %s holds archive.keep "
+                    "%d and the archiver (`rollstream archive`) is behind or stopped; they are not "
+                    "in the archive",
+                    self._archive_trimmed, self.keys.trained(task), settings.keep,
+                )  # fmt: skip
+                self._archive_trimmed = 0
+        elif length >= settings.warn_at * settings.keep and now - warned["lag"] >= ARCHIVE_WARN_S:
+            warned["lag"] = now
+            log.warning(
+                "the archive lags: %d groups in the trained log %s not archived yet, of archive.keep "
+                "%d; beyond it the oldest are deleted, never archived (is `rollstream archive` running?)",
+                length, self.keys.trained(task), settings.keep,
+            )  # fmt: skip
 
     def expire(self, item: BatchItem, keep: Sequence[Sample] = ()) -> str | None:
         """Move a too-stale group to the expired pool as its prompt (plus ``keep``), and

@@ -17,6 +17,8 @@ and one Lua script may touch several of them.
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
     rs:{run}:filtered         stream  one small record per group the filter dropped (its uid)
+    rs:{run}:trained:{task}   stream  a small entry per group the trainer committed, for the
+                                      archiver (group "archive"); capped; archive.keep > 0 only
     rs:{run}:state            hash    model_step, train_step, settings, ray_address, paused,
                                       format, run_id, lost, producer:{name} heartbeats,
                                       feeder:{task}:cursor
@@ -43,6 +45,8 @@ TRAINER = "trainer"
 # The consumer name of the bundled trainer unless it is given one: stable, so that a
 # restarted trainer re-reads its own pending groups.
 TRAINER_CONSUMER = "trainer"
+# The archiver's consumer group, on the trained log, the dead letters and the filtered records
+ARCHIVE = "archive"
 
 # Kinds of per-task streams, rs:{run}:{kind}:{task}
 EVALS = "evals"  # eval prompts: claimed before any training work, outside the admission bound
@@ -126,6 +130,7 @@ class Role(StrEnum):
     JUDGE = "judge"
     METRICS = "metrics"
 
+    ARCHIVER = "archiver"
 
 ROLES = tuple(Role)
 
@@ -217,6 +222,11 @@ class Keys:
         return f"{self.base}:filtered"
 
     @property
+    def trained(self, task: str) -> str:
+        """The trained log of a task: an entry per group the trainer committed (its id in
+        the groups stream, the train step), for the archiver; capped at archive.keep."""
+        return f"{self.base}:trained:{validate_name(task, 'task name')}"
+
     def state(self) -> str:
         return f"{self.base}:state"
 

@@ -124,6 +124,95 @@ return foreign
 """
 )
 
+# The fields of a trained-log entry (rs:{run}:trained:{task}): the id of the group in the
+# task's groups stream, the train step that trained it, when, and by which consumer.
+TRAINED_FIELDS = ("source_id", "train_step", "trained_at", "trained_by")
+
+# KEYS: stream, progress hash, trained log of the stream's task
+# ARGV: group, consumer, progress field ('' = none), train step, time, log cap, ids...
+# COMMIT with an archive (archive.keep > 0): the owned ids are acked and counted, and each
+# gets a small entry in the trained log, but is not deleted: the archiver reads the group
+# from the stream, writes it, and deletes both (ARCHIVE_ACK). The log holds at most `cap`
+# entries: past it, the oldest entries go, with their groups (never archived: counted in
+# the reply). Copying the payload into the log instead costs ~7x a plain commit (the
+# entry's values become Lua strings, bench/archive.py); this costs nothing more.
+# Returns {foreign ids, the log's length, groups trimmed unarchived}.
+COMMIT_LOGGED = (
+    _CHECK_COUNTER_FN
+    + """
+local owned, foreign = {}, {}
+for i = 7, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 0 then foreign[#foreign + 1] = ARGV[i] else owned[#owned + 1] = ARGV[i] end
+end
+check_counter(KEYS[2], ARGV[3])
+local t = redis.call('TYPE', KEYS[3]).ok
+if t ~= 'stream' and t ~= 'none' then error(KEYS[3] .. ' holds a ' .. t .. ', not a stream') end
+local trimmed = 0
+if #owned > 0 then
+  for _, id in ipairs(owned) do
+    redis.call('XADD', KEYS[3], '*', 'source_id', id, 'train_step', ARGV[4], 'trained_at', ARGV[5],
+               'trained_by', ARGV[2])
+  end
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
+  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], #owned) end
+  local over = redis.call('XLEN', KEYS[3]) - tonumber(ARGV[6])
+  if over > 0 then
+    for _, old in ipairs(redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', over)) do
+      local f = old[2]
+      for j = 1, #f, 2 do
+        if f[j] == 'source_id' then redis.call('XDEL', KEYS[1], f[j + 1]) end
+      end
+      redis.call('XDEL', KEYS[3], old[1])
+      trimmed = trimmed + 1
+    end
+  end
+end
+return {foreign, redis.call('XLEN', KEYS[3]), trimmed}
+"""
+)
+
+# KEYS: a trained log, its task's groups stream
+# ARGV: the archiver's group, k, k log ids, the k groups' ids in the stream
+# The archiver's ack once its files are in place: XACK and XDEL the log entries, and XDEL
+# each group that no consumer group of the stream still needs (delivered to every group,
+# pending in none: a reader of its own beside the trainer loses nothing). Returns the
+# number of groups deleted.
+ARCHIVE_ACK = """
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function after(a, b)  -- stream ids: a > b
+  local am, as = parse(a)
+  local bm, bs = parse(b)
+  return am > bm or (am == bm and as > bs)
+end
+local k = tonumber(ARGV[2])
+if k == 0 then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3, 2 + k))
+redis.call('XDEL', KEYS[1], unpack(ARGV, 3, 2 + k))
+local groups = {}
+if redis.call('EXISTS', KEYS[2]) == 1 then groups = redis.call('XINFO', 'GROUPS', KEYS[2]) end
+local gone = {}
+for i = 3 + k, 2 + 2 * k do
+  local id, needed = ARGV[i], false
+  for _, g in ipairs(groups) do
+    local name, last
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
+    end
+    if after(id, last) or #redis.call('XPENDING', KEYS[2], name, id, id, 1) > 0 then
+      needed = true
+      break
+    end
+  end
+  if not needed then gone[#gone + 1] = id end
+end
+if #gone > 0 then redis.call('XDEL', KEYS[2], unpack(gone)) end
+return #gone
+"""
+
 # KEYS: stream, dead stream, progress hash, fence counter of the stream
 # ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field,
 #       groups_dead progress field ('' = none), '1' to take back own entries too, then
@@ -332,6 +421,8 @@ class Scripts:
 
     def __init__(self, client: redis.Redis) -> None:
         self.commit: Script = client.register_script(COMMIT)
+        self.commit_logged: Script = client.register_script(COMMIT_LOGGED)
+        self.archive_ack: Script = client.register_script(ARCHIVE_ACK)
         self.reclaim: Script = client.register_script(RECLAIM)
         self.touch: Script = client.register_script(TOUCH)
         self.dead_letter_by_hand: Script = client.register_script(DEAD_LETTER_BY_HAND)

@@ -451,6 +451,30 @@ class AlgorithmSettings(BaseModel):
     defaults are GRPO advantages with a token-mean policy gradient."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+class ArchiveSettings(BaseModel):
+    """The rollout archive (``rollstream archive``, consumer/archive.py): what the trainer
+    keeps in Redis for it and how it writes Parquet. The trainer and the archiver of a run
+    must both have ``keep`` (the Procfile's processes share `.env`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    keep: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "groups the trained log rs:{run}:trained holds for the archiver at most (MAXLEN ~): "
+            "older unarchived ones are trimmed, never archived; 0: no trained log, no archive"
+        ),
+    )
+    dir: str = Field(default="var/archive", min_length=1, description="the archive's root folder")
+    file_mb: float = Field(default=64.0, gt=0, description="a Parquet file is closed at this much entry data")
+    flush_s: float = Field(default=30.0, gt=0, description="longest time a read entry waits for its file")
+    read_count: int = Field(default=64, ge=1, le=10_000, description="entries per XREADGROUP")
+    warn_at: float = Field(
+        default=0.8, gt=0, le=1, description="warn when this share of keep is unarchived (trimming is near)"
+    )
+
+
 
     advantage: AdvantageEstimator = "grpo"
     adv_std: StdKind = Field(default="unbiased", description="grpo: the std's divisor, n - 1 or n")
@@ -544,6 +568,7 @@ class Settings(BaseSettings):
     def settings_customise_sources(
         cls,
         settings_cls: type[BaseSettings],
+    archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
         init_settings: PydanticBaseSettingsSource,
         env_settings: PydanticBaseSettingsSource,
         dotenv_settings: PydanticBaseSettingsSource,

@@ -117,6 +117,19 @@ GROUPS_TRAINED = Counter(
 GROUPS_EXPIRED = Counter(
     "rollstream_groups_expired_total", "Groups the trainer found too stale to train on", BASE
 )
+# The archive (consumer/archive.py): what the trainer's trained log trimmed before the
+# archiver read it, and what the archiver wrote, lags behind, found already written
+ARCHIVE_TRIMMED = Counter(
+    "rollstream_archive_trimmed_total",
+    "Groups the trained log's cap (archive.keep) trimmed before the archiver archived them",
+    BASE,
+)
+ARCHIVE_ROWS = Counter(
+    "rollstream_archive_rows_total", "Rows the archiver wrote to Parquet, by file set", [*BASE, "set"]
+)
+ARCHIVE_LAG = Gauge(
+    "rollstream_archive_lag_entries", "Entries of the trained log the archiver has not archived yet", BASE
+)
 STALENESS = Histogram(
     "rollstream_trained_group_staleness",
     "Staleness (train step - oldest token version - 1, in steps) of each trained group",
@@ -256,6 +269,18 @@ def track_inflight(groups: Callable[[], int], per_engine: Callable[[], Sequence[
 
 def _nth(values: Callable[[], Sequence[int]], i: int) -> Callable[[], float]:
     return lambda: float(values()[i])
+
+
+def archive_trimmed(groups: int) -> None:
+    ARCHIVE_TRIMMED.labels(**labels()).inc(groups)
+
+
+def archive_written(kind: str, rows: int) -> None:
+    ARCHIVE_ROWS.labels(**labels(set=kind)).inc(rows)
+
+
+def archive_lag(entries: int) -> None:
+    ARCHIVE_LAG.labels(**labels()).set(entries)
 
 
 def outage(seconds: float) -> None:
