@@ -25,9 +25,10 @@ from rollstream.shared.connection import check_server, connect, wait_for_redis
 from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
 from rollstream.shared.events import CONTROL_EVENTS, STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, TRAIN_STEP, Keys, Role
-from rollstream.shared.liveness import Heartbeat
+from rollstream.shared.liveness import Heartbeat, live_processes
 from rollstream.shared.logs import Ticker, on_terminal
 from rollstream.shared.runconfig import check_run_settings, run_identity
+from rollstream.shared.scaling import EngineCount
 from rollstream.shared.settings import Settings, redact_url
 from rollstream.shared.status import RunStatus, run_status
 from rollstream.shared.waiting import NotYet, wait_until
@@ -180,7 +181,7 @@ def check(settings: Settings, *, engines: bool = False) -> int:
     if not address:
         raise PoolError(f"run {settings.run!r} has no Ray address: is `rollstream engines` running?")
     init_ray(address)
-    pool = EnginePool.attach(settings)
+    pool = EnginePool.attach(serving_settings(settings, client))
     assert pool is not None
     silent = []
     for i, health in enumerate(pool.probe()):
@@ -343,21 +344,34 @@ def engines(
             raise PoolError(f"run {settings.run!r} has no Ray address: no engines to stop")
         init_ray(address or recorded)
         killed = EnginePool.stop(settings)
+        with contextlib.suppress(redis.RedisError):
+            EngineCount(client, Keys(settings.run)).clear_serving()
         print(f"stopped {killed} engine actors of run {settings.run!r}")
         return 0
     pool: list[EnginePool] = []
+    silent = SilentEngines(settings)
 
     def detail() -> dict[str, Any]:
         if not pool or stop.is_set():  # no probing of actors that are being removed
             return {"engines": len(pool[0].handles) if pool else 0, "stopping": stop.is_set()}
-        steps = [h.model_step if h is not None else None for h in pool[0].probe(timeout_s=1.0)]
-        return {"engines": len(steps), "model_steps": steps, "ray": gcs}
+        healths = pool[0].probe(timeout_s=1.0)
+        silent.note(healths)
+        nodes = [_node_of(where) for where in pool[0].locate(timeout_s=1.0)]
+        steps = [h.model_step if h is not None else None for h in healths]
+        busy = [round(h.busy_total, 4) if h is not None else None for h in healths]
+        return {"engines": len(steps), "model_steps": steps, "busy": busy, "nodes": nodes, "ray": gcs}
 
     gcs = ""
     with running(settings, Role.ENGINES, stop, detail=detail, heartbeat=False, kind=settings.engines.kind,
                  count=settings.engines.count, ray=address or "a local cluster") as process:  # fmt: skip
         if process is None:
             return 0
+        count = EngineCount(process.client, Keys(settings.run))
+        wanted = count.wanted()
+        if wanted is not None and wanted != settings.engines.count:
+            log.info("engines: %d engines, as `rollstream engines scale` asked (engines.count is %d)",
+                     wanted, settings.engines.count)  # fmt: skip
+            settings = with_engine_count(settings, wanted)
         gcs = init_ray(address, local=True)
         stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
         log.info("engines: Ray cluster at %s%s", gcs, "" if address else " (started by this process)")
@@ -366,6 +380,7 @@ def engines(
             telemetry.EngineCollector(lambda: [] if stop.is_set() else pool[0].probe(timeout_s=1.0))
         )
         process.control.set_ray_address(gcs)
+        count.set_serving(settings.engines.count)
         names = ", ".join(actor_name(settings.run, i) for i in range(settings.engines.count))
         log.info("%d %s engines ready: %s (namespace %s)", settings.engines.count, settings.engines.kind,
                  names, namespace(settings.run))  # fmt: skip
@@ -373,7 +388,11 @@ def engines(
             return 0
         beat = Heartbeat(process.liveness, detail).start()
         try:
-            stop.wait()
+            while not stop.wait(SCALE_POLL_S):  # follow `rollstream engines scale`
+                with contextlib.suppress(redis.RedisError):
+                    wanted = count.wanted()
+                    if wanted is not None and wanted != len(pool[0].handles):
+                        scale_engines(settings, pool[0], count, wanted, stop, detached=False)
             # producers stopping at the same time still hand their in-flight groups back
             # through the engines: keep them until the producers are gone (bounded)
             wait_until_gone(process, (Role.PRODUCER,))
@@ -382,6 +401,7 @@ def engines(
             killed = EnginePool.stop(settings)
             with contextlib.suppress(redis.RedisError):
                 process.control.clear_ray_address(gcs)
+                count.clear_serving()
             log.info("engines: removed %d engine actors of run %r", killed, settings.run)
             # now, not at exit: this process's Ray cluster goes with it. Ray's own signal
             # handlers would turn a SIGTERM meanwhile (the process manager stopping the
@@ -391,6 +411,146 @@ def engines(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             # last: the others of a stopping run wait for this key to go before they exit
             beat.stop()
+    return 0
+
+
+SCALE_POLL_S = 1.0  # how often the engines process and producers look at the run's engine counts
+DRAIN_S = 120.0  # the longest a scaled-in engine has to finish its groups before it is removed
+SILENT_WARNING_S = 10.0  # an engine that does not answer this long is warned about, once
+
+
+def with_engine_count(settings: Settings, count: int) -> Settings:
+    return settings.model_copy(update={"engines": settings.engines.model_copy(update={"count": count})})
+
+
+def serving_settings(settings: Settings, client: redis.Redis) -> Settings:
+    """The settings with engines.count as the run's engines process says it serves now
+    (after a `rollstream engines scale`), when it says."""
+    serving = EngineCount(client, Keys(settings.run)).serving()
+    return settings if serving is None else with_engine_count(settings, serving)
+
+
+def _node_of(where: dict[str, Any] | None) -> str | None:
+    """A node as the engines' heartbeat names it: its ``node`` label, else its address
+    and the start of Ray's node id."""
+    if where is None:
+        return None
+    return str(where["labels"].get("node") or f"{where['ip']}/{where['node_id'][:8]}")
+
+
+class SilentEngines:
+    """Warns once when an engine stops answering (its node died, it is restarting) and
+    says when it answers again: Ray re-creates it on a node with what it needs."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.since: dict[int, float] = {}
+        self.warned: set[int] = set()
+
+    def note(self, healths: list[Any]) -> None:
+        from rollstream.producer.pool import describe_needs
+
+        now = time.monotonic()
+        for i, health in enumerate(healths):
+            if health is not None:
+                if i in self.warned:
+                    log.info("engines: engine %d answers again", i)
+                self.since.pop(i, None)
+                self.warned.discard(i)
+                continue
+            first = self.since.setdefault(i, now)
+            if now - first >= SILENT_WARNING_S and i not in self.warned:
+                self.warned.add(i)
+                log.warning(
+                    "engines: engine %d has not answered for %.0f s (its node gone?): Ray re-creates it "
+                    "(engines.max_restarts %d) on a node with %s, and waits for one; producers send "
+                    "its groups to the other engines meanwhile",
+                    i, now - first, self.settings.engines.max_restarts, describe_needs(self.settings.engines),
+                )  # fmt: skip
+
+
+def scale_engines(
+    settings: Settings, pool: Any, count: EngineCount, target: int, stop: threading.Event, *, detached: bool
+) -> None:
+    """Grow the run's engines to ``target`` (new actors, announced once they answer) or
+    shrink them (announced first, so that producers stop sending them work; drained up to
+    DRAIN_S, then removed: what they still hold fails there and producers retry it on
+    the engines left)."""
+    import ray
+
+    from rollstream.producer.pool import EnginePool, create_engine, describe_needs, remove_engine
+
+    current = len(pool.handles)
+    if target > current:
+        log.info("engines: scaling out from %d to %d engines", current, target)
+        new = [create_engine(settings, i, detached=detached) for i in range(current, target)]
+        calls = [h.health.remote() for h in new]
+        started, warned = time.monotonic(), False
+        while not stop.is_set():
+            _, waiting = ray.wait(calls, num_returns=len(calls), timeout=SCALE_POLL_S)
+            if not waiting:
+                break
+            if not warned and time.monotonic() - started > SILENT_WARNING_S:
+                warned = True
+                log.warning("engines: %d new engines wait for a Ray node with %s (see `ray status`)",
+                            len(waiting), describe_needs(settings.engines))  # fmt: skip
+        else:
+            return
+        pool.resize(pool.handles + new)
+        count.set_serving(target)
+        log.info("engines: %d engines serving", target)
+    elif target < current:
+        leaving = EnginePool(settings.run, pool.handles[target:])
+        count.set_serving(target)  # producers send them no new work from now
+        pool.resize(pool.handles[:target])
+        log.info("engines: scaling in from %d to %d engines: draining %d", current, target, current - target)
+        deadline = time.monotonic() + DRAIN_S
+        stop.wait(2 * SCALE_POLL_S + 1)  # the producers' next look at the count
+        while time.monotonic() < deadline and not stop.is_set():
+            busy = [h for h in leaving.probe(timeout_s=1.0) if h is not None and h.outstanding]
+            if not busy:
+                break
+            stop.wait(0.5)
+        else:
+            log.warning("engines: the engines scaled in still had requests after %.0f s: removed anyway, "
+                        "producers retry them on the engines left", DRAIN_S)  # fmt: skip
+        for i in range(target, current):
+            remove_engine(settings.run, i)
+        pool.forget_retired()
+        log.info("engines: %d engines serving", target)
+
+
+def engines_scale(settings: Settings, target: int, *, wait: bool, stop: threading.Event) -> int:
+    """`rollstream engines scale N`: ask the run's engines process for N engines (through
+    the state hash), and with ``wait`` wait until it serves them; without an engines
+    process (detached engines) scale here."""
+    from rollstream.producer.pool import EnginePool, PoolError, init_ray
+
+    client = connect(settings.redis)
+    keys = Keys(settings.run)
+    count = EngineCount(client, keys)
+    count.want(target)
+    if any(beat.role == Role.ENGINES for beat in live_processes(client, keys)):
+        print(f"run {settings.run!r}: asked the engines process for {target} engines", flush=True)
+        if not wait:
+            return 0
+
+        def served() -> int:
+            if count.serving() != target:
+                raise NotYet(f"the engines process serves {count.serving()} engines")
+            return target
+
+        wait_until(served, f"{target} engines of run {settings.run!r}", settings.process.wait_timeout_s, stop)
+        print(f"run {settings.run!r}: {target} engines serving")
+        return 0
+    address = settings.ray.address or RunControl(client, keys).ray_address()
+    if not address:
+        raise PoolError(f"run {settings.run!r} has no Ray address: is `rollstream engines` running?")
+    init_ray(address)
+    pool = EnginePool.attach(serving_settings(settings, client))
+    assert pool is not None
+    scale_engines(settings, pool, count, target, stop, detached=True)
+    print(f"run {settings.run!r}: {target} engines serving")
     return 0
 
 
@@ -417,7 +577,9 @@ def produce(
                 return 0
             init_ray(ray_address)
             stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
-            pool = EnginePool.attach(settings, settings.process.wait_timeout_s, stop)
+            pool = EnginePool.attach(
+                serving_settings(settings, process.client), settings.process.wait_timeout_s, stop
+            )
             if pool is None:
                 return 0
 
@@ -427,6 +589,10 @@ def produce(
             watcher = threading.Thread(target=_hand_to_loop, args=(stop, loop, done, cold), daemon=True)
             watcher.start()
             producer = Producer(settings, process.client, pool, name=process.name, liveness=process.liveness)
+            if isinstance(pool, EnginePool):
+                threading.Thread(
+                    target=_follow_engine_count, args=(process, pool, loop, stop), daemon=True
+                ).start()
             stats = await producer.run(done, burst=burst, cold=cold)
             process.run_stopped = producer.run_stopped
             outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "nothing"
@@ -451,6 +617,31 @@ def produce(
                 "this producer stopped so that its restart attaches there"
             )
     return 0
+
+
+def _follow_engine_count(process: Process, pool: Any, loop: Any, stop: threading.Event) -> None:
+    """Serve with the engines the run's engines process says serve now: new ones join
+    (found by name), those scaled in get no new work."""
+    import ray
+
+    from rollstream.producer.pool import actor_name, namespace
+
+    count = EngineCount(process.client, Keys(process.settings.run))
+    while not stop.wait(SCALE_POLL_S):
+        try:
+            serving = count.serving()
+        except (redis.RedisError, CorruptValueError):
+            continue
+        if serving is None or serving == len(pool.serving()):
+            continue
+        run = process.settings.run
+        try:
+            handles = [ray.get_actor(actor_name(run, i), namespace=namespace(run)) for i in range(serving)]
+        except ValueError:
+            continue  # not registered yet: look again
+        log.info("producer: %d engines serve the run now (were %d)", serving, len(pool.serving()))
+        with contextlib.suppress(RuntimeError):  # the loop ended
+            loop.call_soon_threadsafe(pool.resize, handles)
 
 
 def _watch_ray_address(
@@ -580,8 +771,9 @@ def train(
         from rollstream.consumer.pg import PolicyGradient
 
         policy = PolicyGradient(
-            hf_model, weights_dir, lr=lr, device=settings.engines.hf.device, algorithm=settings.algorithm
-        )
+            hf_model, weights_dir, lr=lr, device=settings.engines.hf.device, algorithm=settings.algorithm,
+            weights=settings.weights, run=settings.run,
+        )  # fmt: skip
     last: dict[str, Any] = {}
     rollout = settings.rollout
     own = _read_trainer_record(state_file, settings.run) if state_file else None
@@ -608,8 +800,9 @@ def train(
                                    policy=policy, evaluator=evaluator)  # fmt: skip
         if record:
             trainer.on_commit = _recorder(record)
-        # per-step learning figures to TensorBoard (--log-to), under verl / TRL names
-        trackers = open_loggers(log_to, log_dir or str(Path("runs") / settings.run))
+        # per-step learning figures to TensorBoard and W&B (--log-to), under verl / TRL names
+        config = settings.model_dump(mode="json", include={"run", "tasks", "rollout", "algorithm"})
+        trackers = open_loggers(log_to, log_dir or str(Path("runs") / settings.run), settings.run, config)
         with tqdm(total=steps, unit="step", desc="train", disable=not on_terminal()) as bar:
 
             def on_step(entry: StepLog) -> None:

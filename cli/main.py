@@ -136,8 +136,12 @@ def cmd_redis(args: argparse.Namespace) -> int:
 
 
 def cmd_engines(args: argparse.Namespace) -> int:
-    from rollstream.cli.commands import engines
+    from rollstream.cli.commands import engines, engines_scale
 
+    if args.action == "scale" or args.count is not None:
+        if args.action != "scale" or args.count is None or args.foreground or args.stop:
+            raise InputError("usage: rollstream engines scale N [--wait] (N: the number of engines, >= 1)")
+        return engines_scale(_settings(args), args.count, wait=args.wait, stop=stop_on_signals())
     return engines(
         _settings(args),
         address=args.address,
@@ -347,6 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the engines while this process runs (starts a local Ray without an address)",
     )
     p.add_argument("--stop", action="store_true", help="remove the run's engine actors")
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["scale"],
+        help="scale N: grow or shrink the run's engines to N while it runs (drained, then removed)",
+    )
+    p.add_argument("count", nargs="?", type=_at_least(1), help="scale: the number of engines")
+    p.add_argument("--wait", action="store_true", help="scale: wait until the engines process serves N")
     p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("produce", help="claim prompts, generate groups on the engines, judge, append")

@@ -248,6 +248,14 @@ class EngineActor:
     async def health(self) -> bytes:
         return dumps((await self.host.health()).to_dict())
 
+    def where(self) -> bytes:
+        """The node this engine runs on: Ray's node id, its address, the labels it was
+        started with (Ray's own ray.io/ labels left out)."""
+        context = ray.get_runtime_context()
+        labels = {k: v for k, v in context.get_node_labels().items() if not k.startswith("ray.io/")}
+        ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return dumps({"node_id": context.get_node_id(), "ip": ip, "labels": labels})
+
 
 @dataclass(slots=True)
 class PoolResult:
@@ -268,6 +276,8 @@ class BasePool:
 
     def __init__(self, size: int) -> None:
         self.outstanding = [0] * size
+        # engines that left the run (scaled in): no new work; their calls in flight finish
+        self.retired: set[int] = set()
         # the weights every engine must hold before it serves: (model step, path, mode) of
         # the last sync_weights; an engine behind it (restarted by Ray) is synced first
         self.target: tuple[int, str | None, str] = (0, None, "abort")
@@ -276,9 +286,13 @@ class BasePool:
         """The engine with the fewest requests outstanding from this pool, not in ``avoid``
         unless every engine is."""
         avoided = set(avoid)
-        everyone = range(len(self.outstanding))
-        candidates = [i for i in everyone if i not in avoided] or list(everyone)
+        everyone = self.serving()
+        candidates = [i for i in everyone if i not in avoided] or everyone
         return min(candidates, key=lambda i: (self.outstanding[i], i))
+
+    def serving(self) -> list[int]:
+        """The engines that take work: all but those retired."""
+        return [i for i in range(len(self.outstanding)) if i not in self.retired]
 
     async def generate(
         self,
@@ -333,7 +347,7 @@ class BasePool:
         deadline = loop.time() + timeout_s
         if model_step >= self.target[0]:
             self.target = (model_step, path, mode)
-        pending = list(range(len(self.outstanding)))
+        pending = self.serving()
         while True:
             calls = {i: asyncio.ensure_future(self._sync_one(i, model_step, path, mode)) for i in pending}
             await asyncio.wait(calls.values(), timeout=max(0.0, deadline - loop.time()))
@@ -356,9 +370,13 @@ class BasePool:
         return [r if isinstance(r, EngineHealth) else None for r in replies]
 
     async def _each(self, call: Callable[[int], Awaitable[Any]]) -> list[Any]:
-        return list(
-            await asyncio.gather(*(call(i) for i in range(len(self.outstanding))), return_exceptions=True)
-        )
+        """``call`` on every serving engine, by index: None for a retired one."""
+
+        async def nothing() -> None:
+            return None
+
+        calls = (nothing() if i in self.retired else call(i) for i in range(len(self.outstanding)))
+        return list(await asyncio.gather(*calls, return_exceptions=True))
 
     # --- how to reach engine i -----------------------------------------------------------
 
@@ -387,6 +405,24 @@ class EnginePool(BasePool):
         super().__init__(len(handles))
         self.run = run
         self.handles = handles
+
+    def resize(self, handles: list[Any]) -> None:
+        """Serve with the engines ``handles`` (indices 0 .. len-1, as the run's engine count
+        says now): new ones join (a new engine is brought to the run's weights before its
+        first group, as a restarted one), those above retire. Called on the event loop."""
+        for i, handle in enumerate(handles):
+            if i < len(self.handles):
+                self.handles[i] = handle
+            else:
+                self.handles.append(handle)
+                self.outstanding.append(0)
+        self.retired = set(range(len(handles), len(self.handles)))
+
+    def forget_retired(self) -> None:
+        """Drop the retired engines (removed from the cluster) from the pool."""
+        keep = len(self.handles) - len(self.retired)
+        del self.handles[keep:], self.outstanding[keep:]
+        self.retired = set()
 
     @classmethod
     def start(cls, settings: Settings, *, detached: bool = True) -> EnginePool:
@@ -441,6 +477,18 @@ class EnginePool(BasePool):
         for call in calls:
             try:
                 out.append(EngineHealth(**loads(ray.get(call))) if call in ready else None)
+            except RayError:
+                out.append(None)
+        return out
+
+    def locate(self, timeout_s: float = ANSWER_TIMEOUT_S) -> list[dict[str, Any] | None]:
+        """Where each engine runs (EngineActor.where), None for one that does not answer."""
+        calls = [h.where.remote() for h in self.handles]
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        out: list[dict[str, Any] | None] = []
+        for call in calls:
+            try:
+                out.append(loads(ray.get(call)) if call in ready else None)
             except RayError:
                 out.append(None)
         return out
