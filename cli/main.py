@@ -396,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="the reference trainer: read batches, train, publish weights")
     p.add_argument("--steps", type=_at_least(1), required=True, help="train steps to run")
     p.add_argument(
-        "--log-to", default="", help="per-step learning figures to: tensorboard (the tensorboard extra)"
+        "--log-to",
+        default="",
+        help="per-step learning figures to: tensorboard, wandb, or both (the extras of those names)",
     )
     p.add_argument("--log-dir", help="where the trackers write (default runs/RUN)")
     p.add_argument("--step-time", type=_at_least(0, float), default=0.5, help="seconds a train step takes")

@@ -1,5 +1,5 @@
-"""Per-step learning figures to an experiment tracker: TensorBoard (the ``tensorboard``
-extra), under the names verl and TRL users read.
+"""Per-step learning figures to experiment trackers, TensorBoard and W&B (the
+``tensorboard`` and ``wandb`` extras), under the names verl and TRL users read.
 
     reward/mean, reward/std                 the step's sample scores
     actor/loss, actor/kl, actor/clip_fraction, actor/entropy
@@ -8,7 +8,7 @@ extra), under the names verl and TRL users read.
     perf/seconds_per_step, perf/wait_seconds, perf/groups_per_second
     eval/...                                the evaluator's own names (consumer.metrics)
 
-``rollstream train --log-to tensorboard`` writes them for the reference trainer;
+``rollstream train --log-to tensorboard,wandb`` writes them for the reference trainer;
 another trainer calls :func:`step_figures` (or builds its own mapping) and a
 :class:`StepLogger`'s ``log`` itself. A tracker is never needed to train: without the
 extra, asking for it is one settings error that says what to install.
@@ -17,6 +17,7 @@ extra, asking for it is one settings error that says what to install.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 
 from rollstream.shared.errors import SettingsError
 
-TRACKERS = ("tensorboard",)
+TRACKERS = ("tensorboard", "wandb")
 # consumer.losses.policy_loss's names -> the names verl / TRL users read
 POLICY_NAMES = {
     "loss": "actor/loss",
@@ -110,6 +111,41 @@ class TensorBoardLogger:
         self._writer.close()
 
 
+class WandbLogger:
+    """A W&B run (the ``wandb`` extra) in ``logdir``/wandb: online with ``WANDB_API_KEY``,
+    or written to disk only with ``WANDB_MODE=offline`` (``wandb sync`` uploads it later).
+    W&B's console capture is off: the trainer's log lines stay as they are."""
+
+    def __init__(self, logdir: str | Path, name: str, config: Mapping[str, Any] | None = None) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise SettingsError(
+                "--log-to wandb needs the wandb extra: pip install 'rollstream[wandb]' "
+                "(WANDB_MODE=offline writes the run without an account)"
+            ) from None
+        Path(logdir).mkdir(parents=True, exist_ok=True)
+        try:
+            self._run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "rollstream"),
+                name=name,
+                dir=str(logdir),
+                config=dict(config or {}),
+                settings=wandb.Settings(console="off"),
+            )
+        except Exception as exc:  # no account, no network: one line that says what to set
+            raise SettingsError(
+                f"--log-to wandb: W&B did not start ({type(exc).__name__}: {exc}); set WANDB_API_KEY, "
+                "or WANDB_MODE=offline to write the run to disk only"
+            ) from None
+
+    def log(self, step: int, figures: Mapping[str, float]) -> None:
+        self._run.log(dict(figures), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class Loggers:
     """Every tracker asked for, as one."""
 
@@ -125,10 +161,13 @@ class Loggers:
             logger.close()
 
 
-def open_loggers(spec: str, logdir: str | Path) -> Loggers:
-    """The trackers of ``spec`` (comma-separated: ``tensorboard``), writing under
-    ``logdir``; an empty spec is none. An unknown name is a settings error naming the
-    known ones."""
+def open_loggers(
+    spec: str, logdir: str | Path, name: str = "rollstream", config: Mapping[str, Any] | None = None
+) -> Loggers:
+    """The trackers of ``spec`` (comma-separated: ``tensorboard``, ``wandb``), writing
+    under ``logdir``, the run called ``name`` (with ``config``, where the tracker keeps
+    one); an empty spec is none. An unknown name is a settings error naming the known
+    ones."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in TRACKERS]
     if unknown:
@@ -136,7 +175,9 @@ def open_loggers(spec: str, logdir: str | Path) -> Loggers:
             f"--log-to {spec!r}: unknown tracker {unknown[0]!r}; known: {', '.join(TRACKERS)}"
         )
     loggers: list[Any] = []
-    for name in dict.fromkeys(names):
-        if name == "tensorboard":
+    for tracker in dict.fromkeys(names):
+        if tracker == "tensorboard":
             loggers.append(TensorBoardLogger(logdir))
+        elif tracker == "wandb":
+            loggers.append(WandbLogger(logdir, name, config))
     return Loggers(loggers)

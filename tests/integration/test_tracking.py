@@ -1,5 +1,6 @@
-"""`rollstream train --log-to tensorboard` on a real redis-server: every step's learning
-figures land in a TensorBoard event file, read back with TensorBoard's own reader."""
+"""`rollstream train --log-to tensorboard,wandb` on a real redis-server: every step's
+learning figures land in a TensorBoard event file, read back with TensorBoard's own
+reader, and in a W&B run written offline (WANDB_MODE=offline), read back from its file."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ from tests.helpers import group_for, prompts, require
 pytestmark = pytest.mark.integration
 
 require("tensorboard", "tensorboard")
+require("wandb", "wandb")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.unit.test_tracking import wandb_history
 
 STEPS, BATCH = 3, 2
 
 
-def test_the_trainer_logs_each_step_to_tensorboard(
+def test_the_trainer_logs_each_step_to_tensorboard_and_wandb(
     redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
 ) -> None:
     # groups made at model step 0, enough for every step (staleness 0, 1, 2: none expires)
@@ -43,19 +47,11 @@ def test_the_trainer_logs_each_step_to_tensorboard(
         ROLLSTREAM_TASKS='[{"name": "math", "n": 4}]',
         ROLLSTREAM_ROLLOUT__BATCH_SIZE=str(BATCH),
         ROLLSTREAM_ROLLOUT__MAX_STALENESS="5",
+        WANDB_MODE="offline",
     )
-    logdir = tmp_path / "tb"
-    args = [
-        "train",
-        "--steps",
-        str(STEPS),
-        "--step-time",
-        "0",
-        "--log-to",
-        "tensorboard",
-        "--log-dir",
-        str(logdir),
-    ]
+    logdir = tmp_path / "tracked"
+    args = ["train", "--steps", str(STEPS), "--step-time", "0"]
+    args += ["--log-to", "tensorboard,wandb", "--log-dir", str(logdir)]
     done = subprocess.run(
         [sys.executable, "-m", "rollstream.cli.main", *args],
         env=env,
@@ -76,3 +72,8 @@ def test_the_trainer_logs_each_step_to_tensorboard(
     assert values("reward/mean") == [(1, 0.5), (2, 0.5), (3, 0.5)]  # scores 0, 1, 0, 1 in each group
     assert values("rollout/staleness_mean") == [(1, 0.0), (2, 1.0), (3, 2.0)]
     assert values("rollout/groups") == [(1, 2.0), (2, 2.0), (3, 2.0)]
+
+    rows = wandb_history(logdir)  # the same figures, a row per step
+    assert [(r["_step"], r["reward/mean"], r["rollout/staleness_mean"]) for r in rows] == [
+        (1, 0.5, 0.0), (2, 0.5, 1.0), (3, 0.5, 2.0),
+    ]  # fmt: skip

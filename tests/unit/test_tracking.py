@@ -1,14 +1,17 @@
-"""Per-step learning figures for trackers: the names verl and TRL users read, and the
-TensorBoard event file read back with TensorBoard's own reader."""
+"""Per-step learning figures for trackers: the names verl and TRL users read, the
+TensorBoard event file read back with TensorBoard's own reader, and a W&B offline run
+read back from its .wandb file."""
 
 from __future__ import annotations
 
+import json
+import struct
 import sys
 from pathlib import Path
 
 import pytest
 
-from rollstream.consumer.tracking import TensorBoardLogger, open_loggers, step_figures
+from rollstream.consumer.tracking import TensorBoardLogger, WandbLogger, open_loggers, step_figures
 from rollstream.shared.errors import SettingsError
 from tests.helpers import require
 
@@ -57,7 +60,7 @@ def test_tensorboard_reads_back_what_was_logged(tmp_path: Path) -> None:
 
 
 def test_an_unknown_tracker_names_the_known_ones(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match="unknown tracker 'tensorbord'; known: tensorboard"):
+    with pytest.raises(SettingsError, match="unknown tracker 'tensorbord'; known: tensorboard, wandb"):
         open_loggers("tensorbord", tmp_path)
     assert open_loggers("", tmp_path).loggers == []
 
@@ -69,3 +72,58 @@ def test_without_the_extra_asking_for_tensorboard_says_what_to_install(
         monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
     with pytest.raises(SettingsError, match=r"pip install 'rollstream\[tensorboard\]'"):
         TensorBoardLogger(tmp_path)
+
+
+def wandb_history(root: Path) -> list[dict[str, object]]:
+    """The history rows of the one W&B run under ``root``/wandb, read from its .wandb file
+    (LevelDB log records of wandb's protobuf Record), as W&B's own sync reads it."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = (root / "wandb").glob("offline-run-*/run-*.wandb")
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, chunks, pending = 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 1:  # a whole record
+            chunks.append(chunk)
+        elif kind in (2, 3):  # its first or a middle part
+            pending += chunk
+        elif kind == 4:  # its last part
+            chunks.append(pending + chunk)
+            pending = b""
+        else:
+            break
+    rows = []
+    for chunk in chunks:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(chunk)
+        if record.WhichOneof("record_type") == "history":
+            rows.append(
+                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            )
+    return rows
+
+
+def test_wandb_offline_writes_a_run_that_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    require("wandb", "wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = open_loggers("wandb", tmp_path, name="exp1", config={"rollout": {"batch_size": 4}})
+    for step in (1, 2):
+        logger.log(step, {"reward/mean": step / 10, "actor/kl": 0.01})
+    logger.close()
+    rows = wandb_history(tmp_path)
+    assert [(r["_step"], r["reward/mean"], r["actor/kl"]) for r in rows] == [(1, 0.1, 0.01), (2, 0.2, 0.01)]
+
+
+def test_without_the_wandb_extra_asking_for_it_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [m for m in sys.modules if m.partition(".")[0] == "wandb"] + ["wandb"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(SettingsError, match=r"pip install 'rollstream\[wandb\]' \(WANDB_MODE=offline"):
+        WandbLogger(tmp_path, "exp1")
