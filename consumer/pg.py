@@ -24,6 +24,7 @@ from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.losses import AlgorithmConfig, policy_loss
 from rollstream.consumer.tensors import TokenBatch, to_padded, token_logprobs
 from rollstream.shared.records import Group
+from rollstream.shared.transports import Sender, TransportSettings, sender_for, unique_tensors
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class PolicyGradient:
         lr: float = 1e-5,
         device: str = "cpu",
         algorithm: AlgorithmConfig | None = None,
+        weights: TransportSettings | None = None,
+        run: str = "",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -51,6 +54,10 @@ class PolicyGradient:
         self.pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
         self.metrics: dict[str, float] = {}  # the last step's (consumer.losses.policy_loss)
         self._config_files: dict[str, str] = {}  # what save writes beside the weights
+        # weights.* (shared/transports.py): how save sends; None: one safetensors file a step
+        self.weights = weights
+        self.run = run
+        self._sender: Sender | None = None
 
     def __call__(self, batch: TrainBatch) -> float:
         """One optimizer step on the batch; returns the loss (0.0, and no step, when no
@@ -105,13 +112,17 @@ class PolicyGradient:
         rendered once; they do not change during training."""
         from safetensors.torch import save_model
 
-        path = self.out_dir / f"step-{step}"
-        path.mkdir(parents=True, exist_ok=True)
         if not self._config_files:
             self._config_files["config.json"] = self.model.config.to_json_string()
             generation = getattr(self.model, "generation_config", None)
             if generation is not None:
                 self._config_files["generation_config.json"] = generation.to_json_string()
+        if self.weights is not None:  # a weight transport: its URI
+            if self._sender is None:
+                self._sender = sender_for(self.weights, str(self.out_dir), self.run, self._config_files)
+            return self._sender.send(step, unique_tensors(self.model.state_dict()))
+        path = self.out_dir / f"step-{step}"
+        path.mkdir(parents=True, exist_ok=True)
         for name, text in self._config_files.items():
             (path / name).write_text(text)
         save_model(self.model, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -35,6 +35,7 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError as PydanticSettingsError
 
 from rollstream.shared.errors import SettingsError
+from rollstream.shared.transports import TransportSettings
 
 ENV_PREFIX = "ROLLSTREAM_"
 CONFIG_ENV = "ROLLSTREAM_CONFIG"
@@ -545,6 +546,7 @@ class Settings(BaseSettings):
     log: LogSettings = Field(default_factory=LogSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    weights: TransportSettings = Field(default_factory=TransportSettings)
 
     @field_validator("tasks")
     @classmethod

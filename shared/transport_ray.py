@@ -1,7 +1,8 @@
 """The ``ray`` weight transport: the trainer puts a step's tensors in Ray's object
 store, in buckets (one object a bucket: a list of byte arrays, one per tensor, that
 Ray stores without a serialised copy and hands to a reader on the same node as views
-of the shared memory), and registers them under a key in a registry actor; the
+of the shared memory), and registers them under a key in a registry actor (a child of
+the trainer's process, named for the run); the
 weight-sync event's URI names the registry and the key:
 
     ray://<namespace>/<registry actor name>/<key>
@@ -9,7 +10,9 @@ weight-sync event's URI names the registry and the key:
 An engine in the same Ray cluster gets the key's manifest and bucket references from
 the registry and ``ray.get``s the buckets it needs: on the trainer's node a mapping
 of the object store, elsewhere Ray's own transfer. The objects are owned by the
-registry actor, so they outlive a trainer that dies after publishing.
+trainer's process: a trainer that dies takes its steps with it, and an engine that
+asks for one then fails naming the URI; the restarted trainer publishes its step
+again (it does after a crash between commit and sync).
 
 The manifest (orjson) maps every tensor of the model to where its latest value is:
 ``{"format": 1, "step": t, "tensors": {name: [source, bucket, position, dtype,
@@ -97,7 +100,7 @@ class RaySender:
                            list(host.shape)]  # fmt: skip
             buckets[-1].append(host.reshape(-1).view(torch.uint8).numpy())
             size += nbytes
-        refs = [ray.put(bucket, _owner=self.registry) for bucket in buckets if bucket]
+        refs = [ray.put(bucket) for bucket in buckets if bucket]
         self._refs[key] = refs
         self._where = where
         needed = {w[0] for w in where.values()}

@@ -75,7 +75,11 @@ class TransportSettings(BaseModel):
         description="file: where step directories go; empty: the trainer's output directory",
     )
     shards: int = Field(default=4, ge=1, le=64, description="file: shards written in parallel")
-    changed_only: bool = Field(default=True, description="send only tensors modified since the last send")
+    changed_only: bool = Field(
+        default=False,
+        description="send only tensors modified since the last send (engines kind hf, vllm; "
+        "a step's directory then holds only those, its index the whole model)",
+    )
     full_every: int = Field(
         default=20, ge=0, description="every this many sends, a full set (older steps can go); 0: never"
     )
@@ -121,6 +125,19 @@ def receive(uri: str, sources: dict[str, str] | None = None) -> Iterator[tuple[s
     if scheme in ("", "file"):
         return receive_file(uri, sources)
     raise WeightError(f"weights at {uri!r}: no transport for the scheme {scheme!r} (file, ray)")
+
+
+def unique_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Each tensor once: a tied copy (lm_head = embeddings) under its first name only."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for name, t in tensors.items():
+        key = (int(t.data_ptr()), t.numel())
+        if key in seen and t.numel():
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
 
 
 # --- file --------------------------------------------------------------------------
