@@ -810,7 +810,9 @@ def train(
                 if state_file:
                     _write_trainer_record(state_file, process, entry.step)
                 bar.update(1)
-                last.update(step=entry.step, groups=entry.groups)
+                # steps_left: `rollstream status --watch` shows the run's ETA from it
+                done = last.get("done", 0) + 1
+                last.update(step=entry.step, groups=entry.groups, done=done, steps_left=steps - done)
                 reward = "-" if entry.reward_mean is None else f"{entry.reward_mean:.3f}"
                 log.info(
                     "trainer: step %d, %d groups, expired %d, staleness %s, reward %s, step %.2f s, "

@@ -110,6 +110,21 @@ def _rate(value: float | None, unit: str) -> str:
     return "-" if value is None else f"{value:.2f} {unit}"
 
 
+def eta(view: View) -> str:
+    """ ", N steps left, ETA HH:MM" from the trainer's heartbeat and the step rate; "" when
+    either is unknown."""
+    assert view.status is not None
+    left = [p.detail.get("steps_left") for p in view.status.processes if p.role == Role.TRAINER]
+    known = [n for n in left if isinstance(n, int)]
+    if not known:
+        return ""
+    steps = max(known)
+    if not view.steps_per_min:
+        return f", {steps} steps left"
+    finish = view.at + 60 * steps / view.steps_per_min
+    return f", {steps} steps left, ETA {time.strftime('%H:%M', time.localtime(finish))}"
+
+
 def headline(view: View) -> str:
     status = view.status
     assert status is not None
@@ -119,7 +134,7 @@ def headline(view: View) -> str:
     processes = ", ".join(f"{n} {role}" for role, n in sorted(alive.items())) or "none"
     return (
         f"run {status.run}: train_step {status.train_step}, model_step {status.model_step}"
-        f"{', PAUSED' if status.paused else ''} | {_rate(view.steps_per_min, 'steps/min')}, "
+        f"{', PAUSED' if status.paused else ''}{eta(view)} | {_rate(view.steps_per_min, 'steps/min')}, "
         f"produced {_rate(view.groups_per_s, 'groups/s')}, trained {_rate(view.trained_per_s, 'groups/s')} "
         f"| alive: {processes}"
     )

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from rollstream.cli.watch import Watcher, plain
+from rollstream.cli.watch import Watcher, eta, headline, plain
 from rollstream.shared.keys import Count, progress_field
+from rollstream.shared.liveness import Liveness
 from tests.conftest import BufferFactory
 
 
@@ -37,3 +38,17 @@ def test_rates_come_from_what_moved_between_two_refreshes(fake_buffer: BufferFac
     assert second.steps_per_min is not None and second.steps_per_min > 0
     assert second.groups_per_s is not None and second.groups_per_s > 0
     assert second.trained_per_s == 0
+
+
+def test_the_eta_comes_from_the_trainer_s_steps_left_and_the_step_rate(fake_buffer: BufferFactory) -> None:
+    buffer = fake_buffer("p1")
+    client, keys = buffer.client, buffer.keys
+    client.hset(keys.state, mapping={"model_step": 1, "train_step": 1})
+    Liveness(client, keys, "trainer", "trainer", 60).beat(step=1, steps_left=9)
+    watcher = Watcher(buffer.settings, client)
+    assert eta(watcher.view()) == ", 9 steps left"  # no rate yet
+    client.hset(keys.state, "train_step", 2)
+    view = watcher.view()
+    assert view.steps_per_min
+    assert eta(view).startswith(", 9 steps left, ETA ")
+    assert ", 9 steps left, ETA " in headline(view)
