@@ -65,6 +65,24 @@ def tied_weights(files: list[Path], ties: bool) -> Iterator[tuple[str, Any]]:
             yield LM_HEAD, handle.get_tensor(embeddings[0])
 
 
+def published_weights(path: str, ties: bool) -> Iterator[tuple[str, Any]]:
+    """The weights a trainer published at ``path``: through its Hugging Face index when it
+    has one (the file transport's: a step that changed only some tensors points into
+    earlier steps' directories for the rest, so the files of this directory alone are
+    not the model), else every ``*.safetensors`` in it; the embeddings again as
+    ``lm_head.weight`` as ``tied_weights`` does."""
+    if not (Path(path) / "model.safetensors.index.json").is_file():
+        yield from tied_weights(checkpoint_files(path), ties)
+        return
+    from rollstream.shared.transports import receive_file
+
+    tensors = dict(receive_file(path, {}))
+    yield from tensors.items()
+    embeddings = [n for n in tensors if n.endswith(EMBEDDINGS_SUFFIX)]
+    if ties and LM_HEAD not in tensors and len(embeddings) == 1:
+        yield LM_HEAD, tensors[embeddings[0]]
+
+
 class WeightReloader:
     """Mixed into vLLM's worker class; called through ``collective_rpc``."""
 
@@ -77,7 +95,7 @@ class WeightReloader:
 
         def counted() -> Iterator[tuple[str, Any]]:
             nonlocal count
-            for item in tied_weights(checkpoint_files(path), ties):
+            for item in published_weights(path, ties):
                 count += 1
                 yield item
 

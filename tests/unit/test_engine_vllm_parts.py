@@ -98,6 +98,28 @@ def test_tied_weights_feed_the_embeddings_as_lm_head_when_the_files_lack_it(tmp_
     assert torch.equal(fed["lm_head.weight"], torch.zeros(3, 2))
 
 
+def test_published_weights_follow_the_index_into_earlier_steps(tmp_path: Path) -> None:
+    """A step that sent only its changed tensors: the worker reads the model by the index
+    (the rest from the earlier step's directory), not the step directory's files alone."""
+    torch = require("torch", "hf")
+    from rollstream.producer.engines.vllm_worker import published_weights
+    from rollstream.shared.transports import TransportSettings, sender_for
+
+    tensors = {
+        "model.embed_tokens.weight": torch.arange(6.0).reshape(3, 2),
+        "model.norm.weight": torch.ones(2),
+    }
+    sender = sender_for(TransportSettings(changed_only=True, full_every=0), str(tmp_path))
+    sender.send(1, tensors)
+    tensors["model.norm.weight"].add_(1.0)
+    second = sender.send(2, tensors)
+    fed = dict(published_weights(second, ties=True))
+    assert set(fed) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert torch.equal(fed["model.norm.weight"], torch.full((2,), 2.0))
+    assert torch.equal(fed["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    sender.close()
+
+
 def test_a_weights_directory_without_safetensors_is_named(tmp_path: Path) -> None:
     from rollstream.producer.engines.vllm_worker import checkpoint_files
 
