@@ -14,10 +14,13 @@ follows that instead.
     publish_weights(reader.control, step, uri)
 
 A trainer without a BatchReader publishes through ``control_for(client, settings)``.
+Its per-step learning figures go to TensorBoard or W&B as the reference trainer's do:
+``open_loggers("tensorboard", logdir).log(step, step_figures(...))``.
 """
 
 from rollstream.consumer.batches import BatchReader, TrainBatch
 from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.consumer.tracking import Loggers, StepLogger, open_loggers, step_figures
 from rollstream.consumer.weights import (
     SyncTimeout,
     connect,
@@ -37,15 +40,19 @@ __all__ = [
     "BatchReader",
     "BatchTimeout",
     "Group",
+    "Loggers",
     "Prompt",
     "RunControl",
     "Sample",
     "Settings",
+    "StepLogger",
     "SyncTimeout",
     "TrainBatch",
     "connect",
     "control_for",
     "load_settings",
+    "open_loggers",
     "publish_weights",
+    "step_figures",
     "wait_for_producers",
 ]

@@ -24,9 +24,10 @@ API_SECTION = README.partition("\n## Python API\n")[2].partition("\n## ")[0]
 
 PUBLIC: dict[str, list[str]] = {
     "rollstream.consumer": [
-        "Batch", "BatchCoordinator", "BatchReader", "BatchTimeout", "Group", "Prompt", "RunControl",
-        "Sample", "Settings", "SyncTimeout", "TrainBatch", "connect", "control_for", "load_settings",
-        "publish_weights", "wait_for_producers",
+        "Batch", "BatchCoordinator", "BatchReader", "BatchTimeout", "Group", "Loggers", "Prompt",
+        "RunControl", "Sample", "Settings", "StepLogger", "SyncTimeout", "TrainBatch", "connect",
+        "control_for", "load_settings", "open_loggers", "publish_weights", "step_figures",
+        "wait_for_producers",
     ],
     "rollstream.producer.engines": [
         "BUILTIN_ENGINES", "FINISH_ABORT", "FINISH_ERROR", "FINISH_LENGTH", "FINISH_STOP", "Engine",
@@ -160,6 +161,21 @@ def test_the_trainer_signatures_the_readme_shows() -> None:
     assert overrides.kind is inspect.Parameter.VAR_KEYWORD  # load_settings() reads the environment
     assert params(consumer.RunControl.train_step) == params(consumer.RunControl.model_step) == ["self"]
     assert isinstance(inspect.getattr_static(consumer.TrainBatch, "groups"), property)
+    assert params(consumer.open_loggers)[:3] == ["spec", "logdir", "name"]
+    assert params(consumer.step_figures)[:6] == [
+        "step_s",
+        "wait_s",
+        "groups",
+        "scores",
+        "staleness",
+        "expired",
+    ]
+    assert params(consumer.Loggers.log) == ["self", "step", "figures"]
+    for shown in (
+        'open_loggers("tensorboard,wandb", "runs/exp1", "exp1")',
+        "trackers.log(step, step_figures(",
+    ):
+        assert shown in API_SECTION, shown
     coordinator = consumer.BatchCoordinator
     for method in ("submit_batch", "finalize_train_batch", "finalize_eval_batch", "abort_batch"):
         assert callable(getattr(coordinator, method)) and f"`{method}`" in README
