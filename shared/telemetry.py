@@ -187,9 +187,11 @@ def metrics_port(
 @contextmanager
 def serving(settings: Settings, role: str, *, required: bool = False) -> Iterator[int | None]:
     """Serve this process's metrics while the block runs; yields the port, or None when
-    none is configured. A port that cannot be bound is an error line and the process
-    goes on without metrics (a run must not stop for its dashboard), unless
-    ``required`` (the metrics process, which has nothing else to do)."""
+    none is served. A port that cannot be bound is an error line and the process goes on
+    without metrics: a run must not stop for its dashboard, nor a formation that a
+    process manager started on ports that another one holds. ``required`` (the metrics
+    process, which has nothing else to do): no port at all, or a taken one that
+    metrics.port names explicitly, is a settings error."""
     identify(settings.run, role)
     if _served:  # served already by an enclosing block of this process
         yield _served[-1]
@@ -208,7 +210,7 @@ def serving(settings: Settings, role: str, *, required: bool = False) -> Iterato
         server, thread = start_http_server(port, addr=host, registry=REGISTRY)
     except OSError as exc:
         message = f"{role}: cannot serve metrics on {host}:{port} (from {source}): {exc.strerror or exc}"
-        if required:
+        if required and source != f"${PORT_ENV}":
             raise SettingsError(message) from None
         log.error("%s; going on without them", message)
         yield None

@@ -85,7 +85,24 @@ def test_a_taken_port_is_an_error_line_and_the_process_goes_on(
             pytest.raises(SettingsError, match=f"127.0.0.1:{port}"),
             telemetry.serving(settings, "metrics", required=True),
         ):
-            pass
+            pass  # the metrics process, on a port named explicitly: an error
+
+
+def test_a_taken_PORT_leaves_even_the_metrics_process_running(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two formations on one machine, both started by a process manager on its default
+    ports: the second goes on, its metrics process says why it serves nothing."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        monkeypatch.setenv("PORT", str(taken.getsockname()[1]))
+        with (
+            caplog.at_level(logging.ERROR),
+            telemetry.serving(make_settings(), "metrics", required=True) as served,
+        ):
+            assert served is None
+    assert "(from $PORT)" in caplog.text and "going on without them" in caplog.text
 
 
 def test_the_trainer_figures(make_settings: SettingsFactory) -> None:
