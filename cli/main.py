@@ -219,6 +219,22 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return serve_run_metrics(_settings(args), stop_on_signals())
 
 
+def cmd_archive(args: argparse.Namespace) -> int:
+    from rollstream.cli.archive import archive
+
+    return archive(_settings(args), stop_on_signals())
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rollstream.cli.archive import export
+
+    settings = _settings(args)
+    return export(
+        args.archive or settings.archive.dir, args.out, kind=args.format, run=args.run, task=args.task,
+        min_reward=args.min_reward, best_of=args.best_of,
+    )  # fmt: skip
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rollstream.cli.demo import demo
 
@@ -392,6 +408,23 @@ def build_parser() -> argparse.ArgumentParser:
         "metrics", help="serve the run's Redis-side figures (depth, lag, pending, steps) to Prometheus"
     )
     p.set_defaults(func=cmd_metrics)
+
+    p = sub.add_parser(
+        "archive",
+        help="write what the run trains (and what it does not, with why) to Parquet (archive.keep > 0)",
+    )
+    p.set_defaults(func=cmd_archive)
+
+    p = sub.add_parser("export", help="SFT or preference JSONL from a rollout archive's trained groups")
+    p.add_argument("--format", required=True, choices=["sft", "preference"], help="what to write")
+    p.add_argument("--out", required=True, metavar="PATH", help="the JSONL file to write")
+    p.add_argument("--archive", metavar="DIR", help="the archive's folder (setting archive.dir)")
+    p.add_argument("--task", help="only this task's groups")
+    p.add_argument("--min-reward", type=float, help="only samples with at least this reward")
+    p.add_argument(
+        "--best-of", type=_at_least(1), default=1, help="sft: the best N samples of each group (default 1)"
+    )
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("train", help="the reference trainer: read batches, train, publish weights")
     p.add_argument("--steps", type=_at_least(1), required=True, help="train steps to run")

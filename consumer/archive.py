@@ -32,7 +32,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -406,7 +406,8 @@ class Archiver:
             if codec.is_group_entry(own):
                 return partition, group_rows(run, codec.decode_group(own), common)
             prompt = codec.decode_prompt(own)
-            return partition, [{"run": run, "task": prompt.task, **_prompt_columns(prompt), **common}]
+            row = {"run": run, "task": prompt.task, "group_id": prompt.group_id, **_prompt_columns(prompt)}
+            return partition, [{**row, **common}]
         # filtered: a small record, no samples
         task = text(fields.get(b"task", b"")) or "_unknown"
         reward_mean = text(fields.get(b"reward_mean", b""))
@@ -609,11 +610,17 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def archive_run(
-    client: redis.Redis, settings: Settings, stop: threading.Event, consumer: str = ARCHIVER_CONSUMER
+    client: redis.Redis,
+    settings: Settings,
+    stop: threading.Event,
+    consumer: str = ARCHIVER_CONSUMER,
+    on_start: Callable[[Archiver], None] | None = None,
 ) -> Archiver:
-    """The archiver's loop until ``stop``; then what is left in the sources is read and
-    written (the run's last step included), and the files closed."""
+    """The archiver's loop until ``stop``; then what the sources hold is read and written
+    (the run's last step, when the run stopped), and the files closed."""
     archiver = Archiver(client, settings, consumer)
+    if on_start is not None:
+        on_start(archiver)
     removed = archiver.clean()
     if removed:
         log.info("archive: removed %d temporary files of a write that did not finish", removed)

@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 
 from rollstream.shared.keys import (
     GROUP_OF_KIND,
+    GROUPS,
     MODEL_STEP,
     PAUSED,
     PRODUCER_BEAT,
@@ -128,7 +129,10 @@ class RunCollector(Collector):
             pipe.xlen(key)
             pipe.xinfo_groups(key)  # an error for a stream not made yet: read as empty
             pipe.xpending_range(key, GROUP_OF_KIND[kind], min="-", max="+", count=1)
+        for task in self.tasks:  # groups trained but kept for the archiver: not lag
+            pipe.xlen(self.keys.trained(task))
         replies: list[Any] = pipe.execute(raise_on_error=False)
+        archived = dict(zip(self.tasks, replies[5 + 3 * len(streams) :], strict=True))
         for reply in replies[:5]:
             if isinstance(reply, Exception):
                 raise reply
@@ -147,6 +151,8 @@ class RunCollector(Collector):
         for i, (kind, task, _) in enumerate(streams):
             length, groups, oldest = replies[5 + 3 * i : 8 + 3 * i]
             length = length if isinstance(length, int) else 0
+            if kind == GROUPS and isinstance(archived[task], int):
+                length -= archived[task]
             info = (
                 next((g for g in groups if text(g["name"]) == GROUP_OF_KIND[kind]), None)
                 if isinstance(groups, list)

@@ -132,7 +132,17 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
     snap.xlen(keys.events)
     for key, _, _ in found:
         snap.xlen(key)
-    state, progress, dead, events, *lengths = snap.execute()
+    # groups trained but kept in groups:{task} for the archiver (archive.keep > 0): one
+    # entry each in the trained log; neither waiting nor lag
+    archived = [task for _, kind, task in found if kind == GROUPS]
+    for task in archived:
+        snap.xlen(keys.trained(task))
+    state, progress, dead, events, *rest = snap.execute()
+    held = dict(zip(archived, rest[len(found) :], strict=True))
+    lengths = [
+        int(n) - (int(held[task]) if kind == GROUPS else 0)
+        for n, (_, kind, task) in zip(rest[: len(found)], found, strict=True)
+    ]
     status = RunStatus(
         run=keys.run,
         model_step=_int(state.get(MODEL_STEP.encode())),

@@ -4,16 +4,30 @@ group, and every untrained prompt with its reason, to Parquet exactly once."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
+import redis
 
+from rollstream.cli.main import main
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.events import STOP, RunControl
 from rollstream.shared.keys import ARCHIVE, TRAINER
-from tests.conftest import BufferFactory
-from tests.helpers import group_for, prompts, require
+from rollstream.shared.records import Prompt
+from tests.conftest import BufferFactory, SettingsFactory
+from tests.helpers import group_for, prompts, require, rollstream, wait_for
 
 pa = require("pyarrow", "archive")
+pq = require("pyarrow.parquet", "archive")
 
 from rollstream.consumer.archive import Archiver
 
@@ -125,3 +139,268 @@ def test_archive_writes_every_trained_group_once_with_its_lineage(
         assert trainer.client.xlen(trainer.keys.trained(task)) == 0
         assert trainer.client.xpending(trainer.keys.trained(task), ARCHIVE)["pending"] == 0
         assert trainer.client.xlen(trainer.keys.groups(task)) == 0
+
+
+class ArchiverProcess:
+    """`rollstream archive` with its output in files, killed only by its own handle."""
+
+    def __init__(self, env: dict[str, str], folder: Path, name: str) -> None:
+        self.err = folder / f"{name}.err"
+        with self.err.open("w") as err:
+            self.proc = subprocess.Popen(rollstream("archive"), env=env, stdout=err, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def _visible_files_are_whole(root: Path) -> int:
+    """Every Parquet file a reader sees opens and reads whole; their number."""
+    files = list(root.rglob("*.parquet"))
+    for path in files:
+        pq.read_table(path)
+    return len(files)
+
+
+def test_archiver_killed_at_any_moment_archives_each_group_exactly_once(
+    redis_server: EmbeddedRedis, make_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    root = tmp_path / "archive"
+    archive = {"keep": 100_000, "dir": str(root), "flush_s": 0.02, "read_count": 8}
+    settings = make_settings(redis_server.url, archive=archive)
+    client = connect(settings.redis)
+    producer = ReplayBuffer(client, settings, "p1")
+    trainer = ReplayBuffer(connect(settings.redis), settings, "trainer")
+    env = {
+        **os.environ,
+        "ROLLSTREAM_RUN": settings.run,
+        "ROLLSTREAM_REDIS__URL": redis_server.url,
+        "ROLLSTREAM_TASKS": json.dumps([{"name": "math", "n": 4}, {"name": "code", "n": 2}]),
+        "ROLLSTREAM_BUFFER__CLAIM_IDLE_MS": "1000",
+        "ROLLSTREAM_BUFFER__BLOCK_MS": "100",
+        **{f"ROLLSTREAM_ARCHIVE__{k.upper()}": str(v) for k, v in archive.items()},
+    }
+    trained: list[str] = []
+    filtered: list[str] = []
+    dead: list[str] = []
+    step = 0
+    uid = 0
+
+    def work(steps: int) -> None:
+        nonlocal step, uid
+        for _ in range(steps):
+            step += 1
+            for task, count in (("math", 6), ("code", 3)):
+                producer.feed(prompts(task, count + 2, uid))
+                uid += count + 2
+                claims = producer.claim(task, count + 2)
+                for claim in claims[:count]:
+                    group = group_for(claim.prompt, n=4, tokens=256, step=step - 1)
+                    producer.complete(claim, group)
+                    trained.append(claim.group_id)
+                filtered_claim, dead_claim = claims[count:]
+                producer.drop(filtered_claim)
+                filtered.append(filtered_claim.group_id)
+                entry = dead_claim.entry
+                producer.dead_letter_by_hand("prompts", task, entry.id, "a prompt that crashes the judge")
+                dead.append(dead_claim.group_id)
+                batch = trainer.read_batch(task, count)
+                assert trainer.commit(batch, step) == []
+
+    def pending() -> int:
+        total = 0
+        for task in ("math", "code"):
+            with contextlib.suppress(redis.ResponseError):  # the archiver has not made its group yet
+                total += int(client.xpending(trainer.keys.trained(task), ARCHIVE)["pending"])
+        return total
+
+    # moments to die at: with entries read and not yet acked; while a file is being
+    # written (its temporary name is there); just after a file appeared
+    def holding() -> bool:
+        return pending() > 0
+
+    def writing() -> bool:
+        return any(root.rglob(".part-*.tmp"))
+
+    def renamed(before: int) -> Any:
+        return lambda: len(list(root.rglob("*.parquet"))) > before
+
+    work(2)
+    kills = 0
+    for round_ in range(6):
+        # each start reads in batches of another size: the entries read again after a kill
+        # make other files than before, which must not archive any of them a second time
+        count = {"ROLLSTREAM_ARCHIVE__READ_COUNT": str((8, 5, 3, 7, 4, 6)[round_])}
+        archiver = ArchiverProcess({**env, **count}, tmp_path, f"archiver-{round_}")
+        work(3)
+        before = len(list(root.rglob("*.parquet")))
+        moment = (holding, writing, renamed(before))[round_ % 3]
+        with contextlib.suppress(AssertionError):  # that moment went by unseen: it dies at another
+            wait_for(moment, timeout=60, interval=0.001)
+        assert archiver.proc.poll() is None, archiver.err.read_text()[-2000:]
+        archiver.kill()
+        kills += 1
+        _visible_files_are_whole(root)
+    work(2)
+    archiver = ArchiverProcess(env, tmp_path, "archiver-last")
+    wait_for(lambda: all(client.xlen(trainer.keys.trained(t)) == 0 for t in ("math", "code")), timeout=120)
+    RunControl(client, trainer.keys).publish(STOP)
+    assert archiver.proc.wait(timeout=60) == 0, archiver.err.read_text()[-3000:]
+    assert kills == 6
+
+    assert not list(root.rglob(".part-*")), "a temporary file was left behind"
+    assert _visible_files_are_whole(root) > 0
+    rows = _read(root / "trained")
+    per_sample = rows.groupby(["group_id", "sample_index"]).size()
+    assert per_sample.max() == 1, per_sample[per_sample > 1].head()
+    assert sorted(set(rows["group_id"])) == sorted(trained)
+    assert len(rows) == 4 * len(trained)
+    assert set(rows["staleness"]) == {0}
+    untrained = _read(root / "untrained")
+    by_fate = {fate: sorted(part["group_id"]) for fate, part in untrained.groupby("fate")}
+    assert by_fate == {"filtered": sorted(filtered), "dead": sorted(dead)}
+    assert untrained["reason"].str.contains("a prompt that crashes the judge").sum() == len(dead)
+    # everything archived left Redis
+    for task in ("math", "code"):
+        assert client.xlen(trainer.keys.groups(task)) == 0
+        assert client.xpending(trainer.keys.trained(task), ARCHIVE)["pending"] == 0
+
+
+def test_entries_read_again_after_a_crash_between_rename_and_ack_are_not_written_twice(
+    real_buffer: BufferFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = _archive_settings(tmp_path, read_count=6)
+    producer = real_buffer("p1", **settings)
+    trainer = real_buffer("trainer", **settings)
+    ids = _produce_and_train(producer, trainer, "math", 10, step=1)
+    first = Archiver(trainer.client, trainer.settings)
+    first.ensure()
+
+    class Killed(Exception):
+        pass
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        raise Killed  # the process dies after its files are in place, before the ack
+
+    monkeypatch.setattr(first, "_ack", die)
+    first.step(0)  # reads 6 of the 10
+    with pytest.raises(Killed):
+        first.flush()
+    root = tmp_path / "archive"
+    assert len(list(root.rglob("*.parquet"))) == 1
+    # the restarted archiver reads in batches of another size: its files are other ones
+    restarted = Archiver(
+        trainer.client,
+        trainer.settings.model_copy(
+            update={"archive": trainer.settings.archive.model_copy(update={"read_count": 4})}
+        ),
+    )
+    while restarted.step(0):
+        pass
+    restarted.flush()
+    assert restarted.skipped == 6
+    rows = _read(root / "trained")
+    assert len(rows) == 10 * 4
+    assert rows.groupby(["group_id", "sample_index"]).size().max() == 1
+    assert sorted(set(rows["group_id"])) == sorted(ids)
+    assert trainer.client.xlen(trainer.keys.groups("math")) == 0
+
+
+def _archive_a_run(real_buffer: BufferFactory, tmp_path: Path) -> tuple[Path, Any]:
+    """Two steps of text prompts and one of chat prompts, archived; the archive's root."""
+    settings = _archive_settings(tmp_path)
+    producer = real_buffer("p1", **settings)
+    trainer = real_buffer("trainer", **settings)
+    chat = [
+        Prompt(uid=f"c{i}", task="code", prompt=[{"role": "system", "content": "Be brief."},
+               {"role": "user", "content": f"Say {i}."}])
+        for i in range(3)
+    ]  # fmt: skip
+    for step, batch in ((1, prompts("math", 4)), (2, prompts("math", 4, 4)), (3, chat)):
+        producer.feed(batch)
+        task = batch[0].task
+        for claim in producer.claim(task, len(batch)):
+            group = group_for(claim.prompt, n=4, tokens=5, step=step - 1)
+            for i, sample in enumerate(group.samples):
+                sample.text = f"answer {i} to {claim.prompt.uid}"
+                sample.reward = {"score": float(i), "judge": "test"}
+            producer.complete(claim, group)
+        assert trainer.commit(trainer.read_batch(task, len(batch)), step) == []
+    archiver = Archiver(trainer.client, trainer.settings)
+    archiver.ensure()
+    while archiver.step(0):
+        pass
+    archiver.flush()
+    return tmp_path / "archive", trainer
+
+
+def test_the_archive_reads_as_it_is_with_pandas_pyarrow_duckdb_and_datasets(
+    real_buffer: BufferFactory, tmp_path: Path
+) -> None:
+    pd = require("pandas", "test")
+    duckdb = require("duckdb", "test")
+    datasets = require("datasets", "test")
+    root, _ = _archive_a_run(real_buffer, tmp_path)
+    trained = root / "trained"
+    frame = pd.read_parquet(trained)
+    assert len(frame) == 11 * 4 and frame["reward"].max() == 3.0
+    assert len(_read(trained)) == 11 * 4  # pyarrow.dataset
+    glob = str(trained / "**" / "*.parquet")
+    best = duckdb.sql(
+        f"SELECT group_id, max(reward) AS best, count(*) AS n FROM read_parquet('{glob}') GROUP BY group_id"
+    ).df()
+    assert len(best) == 11 and set(best["best"]) == {3.0} and set(best["n"]) == {4}
+    loaded = datasets.load_dataset("parquet", data_files=glob, split="train")
+    assert loaded.num_rows == 11 * 4
+    row = loaded.filter(lambda r: r["group_id"] == "code:c1" and r["sample_index"] == 2)[0]
+    assert orjson.loads(row["prompt_messages"])[1] == {"role": "user", "content": "Say 1."}
+    assert row["prompt"] == "Say 1." and row["response"] == "answer 2 to c1"
+    assert orjson.loads(row["reward_details"]) == {"score": 2.0, "judge": "test"}
+    assert row["train_step"] == 3 and row["staleness"] == 0 and len(row["logprobs"]) == 5
+
+
+def test_export_writes_sft_and_preference_jsonl_that_datasets_loads(
+    real_buffer: BufferFactory, tmp_path: Path
+) -> None:
+    datasets = require("datasets", "test")
+    root, _ = _archive_a_run(real_buffer, tmp_path)
+    sft, pref = tmp_path / "sft.jsonl", tmp_path / "pref.jsonl"
+    assert main(["export", "--format", "sft", "--archive", str(root), "--task", "math", "--out", str(sft),
+                 "--best-of", "2", "--min-reward", "2"]) == 0  # fmt: skip
+    records = datasets.load_dataset("json", data_files=str(sft), split="train")
+    # text prompts: TRL's prompt-completion form; the best 2 of each group at reward >= 2
+    assert records.column_names == ["prompt", "completion"]
+    assert records.num_rows == 8 * 2
+    assert records[0] == {"prompt": "What is 0 + 1?", "completion": "answer 3 to u0"}
+    assert records[1] == {"prompt": "What is 0 + 1?", "completion": "answer 2 to u0"}
+    assert main(["export", "--format", "preference", "--archive", str(root), "--out", str(pref)]) == 0
+    pairs = datasets.load_dataset("json", data_files=str(pref), split="train")
+    # a chat prompt among them: the conversational form for every record
+    assert pairs.column_names == ["prompt", "chosen", "rejected"] and pairs.num_rows == 11
+    chat = next(r for r in pairs if r["prompt"][-1]["content"] == "Say 2.")
+    assert chat["prompt"][0] == {"role": "system", "content": "Be brief."}
+    assert chat["chosen"] == [{"role": "assistant", "content": "answer 3 to c2"}]
+    assert chat["rejected"] == [{"role": "assistant", "content": "answer 0 to c2"}]
+    text = next(r for r in pairs if r["prompt"] == [{"role": "user", "content": "What is 5 + 1?"}])
+    assert text["chosen"][0]["content"] == "answer 3 to u5"
+
+
+def test_groups_kept_for_the_archiver_are_neither_waiting_nor_lag(
+    real_buffer: BufferFactory, tmp_path: Path
+) -> None:
+    from rollstream.shared.runmetrics import RunCollector, stream_metric
+    from rollstream.shared.status import run_status
+
+    settings = _archive_settings(tmp_path)
+    producer = real_buffer("p1", **settings)
+    trainer = real_buffer("trainer", **settings)
+    producer.feed(prompts("math", 5))
+    _produce_and_train(producer, trainer, "math", 3, step=1)
+    for claim in producer.claim("math", 2):  # two more made, not trained yet
+        producer.complete(claim, group_for(claim.prompt))
+    assert trainer.client.xlen(trainer.keys.groups("math")) == 5  # 3 of them kept for the archiver
+    account = run_status(trainer.client, trainer.keys).accounts["math"]
+    assert (account.trained, account.waiting, account.lost) == (3, 2, 0)
+    collector = RunCollector(trainer.client, trainer.keys, ["math"], 10.0)
+    lag = next(m for m in collector.read() if m.name == stream_metric("groups", "lag"))
+    assert [s.value for s in lag.samples if s.labels.get("task") == "math"] == [2.0]
