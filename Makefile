@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: demo test test-all lint bench run chaos clean
+.PHONY: demo test test-all lint bench gpu-check run chaos clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,15 @@ lint: $(DEV)
 
 bench: $(DEV)
 	$(PY) bench/run_all.py
+
+# The GPU check (bench/gpu_check.py): the hf engine against generate and a bare loop, every
+# weight transport, the learning demo on CUDA and on the CPU. It needs torch and transformers
+# in the Python that runs it and rollstream's base packages (from wheels where there is no
+# network); no Ray, no vLLM, no Redis server. Without a GPU it says so and measures the CPU.
+# The venv's Python when there is one; else `make gpu-check PYTHON=python3`.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

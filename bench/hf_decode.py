@@ -29,6 +29,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,7 @@ def random_model(directory: Path, size: dict[str, int], seed: int = 0) -> Path:
         pad_token_id=1,
     )
     torch.manual_seed(seed)
-    model: Any = Qwen2ForCausalLM(config)
+    model: Any = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
@@ -198,7 +199,11 @@ def step_costs(bare: Bare, prompt: torch.Tensor, steps: int) -> dict[str, float]
         sync(bare.device)
         return (time.perf_counter() - started) / steps * 1000
 
-    ways = {"main_thread": direct, "thread_hop": hop, "async_path": lambda: asyncio.run(async_path())}
+    ways: dict[str, Callable[[], float]] = {
+        "main_thread": direct,
+        "thread_hop": hop,
+        "async_path": lambda: asyncio.run(async_path()),
+    }
     samples: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(3):
         for name, way in ways.items():
@@ -223,7 +228,7 @@ def measure(
         ids = [4 + (i * 7) % 90 for i in range(PROMPT_LEN)]
         prompt = torch.tensor([ids], device=dev)
         bare = Bare(model, dev, n)
-        ways = {
+        ways: dict[str, Callable[[], float]] = {
             "engine": lambda: engine_generate(engine, ids, n, tokens),
             "generate": lambda: hf_generate(model, prompt, n, tokens, dev),
             "bare": lambda: bare.run(prompt, tokens),
@@ -247,10 +252,13 @@ def measure(
         engine.stop()
 
 
-def table(rows: list[list[str]]) -> str:
+def table(rows: list[list[str]], left: int = 1) -> str:
+    """Columns padded to their widths: the first ``left`` flush left, the rest right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        "  ".join(
+            c.rjust(w) if i >= left else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
         for r in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from rollstream.shared.transports import Changes, TransportSettings, WeightError, to_host
+from rollstream.shared.transports import Changes, Staging, TransportSettings, WeightError
 
 
 class Registry:
@@ -76,6 +76,7 @@ class RaySender:
         actor: Any = ray.remote(num_cpus=0)(Registry)
         self.registry = actor.options(name=self.name, namespace=self.namespace, get_if_exists=True).remote()
         self._changes = Changes(settings)
+        self._staging = Staging()
         self._where: dict[str, list[Any]] = {}  # name -> [source, bucket, position, dtype, shape]
         self._refs: dict[str, list[Any]] = {}  # source -> bucket refs
         self._keys: list[str] = []
@@ -90,8 +91,7 @@ class RaySender:
         buckets: list[list[Any]] = [[]]
         size = 0
         where = {} if full else dict(self._where)
-        for name, t in changed.items():
-            host = to_host(t)
+        for name, host in self._staging(changed).items():
             nbytes = host.numel() * host.element_size()
             if buckets[-1] and size + nbytes > limit:
                 buckets.append([])
