@@ -56,6 +56,8 @@ TRAINED, UNTRAINED = "trained", "untrained"  # the two file sets
 SOURCE_TRAINED, SOURCE_DEAD, SOURCE_FILTERED = "trained", "dead", "filtered"
 FILE_RE = re.compile(r"^part-([a-z]+)-(\d+-\d+)-(\d+-\d+)\.parquet$")
 LAG_CHECK_S = 5.0
+# the header of an expired group's record in the trained log (shared/buffer.py)
+EXPIRED_HEADER = ("fate", "source_id", "train_step", "trained_at", "trained_by", "reason")
 
 
 def _pa() -> Any:
@@ -85,7 +87,7 @@ def schema() -> Any:
             ("group_id", pa.string()),
             ("sample_index", pa.int32()),
             ("n", pa.int32()),
-            ("fate", pa.string()),  # trained, dead, filtered
+            ("fate", pa.string()),  # trained, expired, dead, filtered
             ("reason", pa.string()),  # why it was not trained; null when trained
             ("prompt", pa.string()),  # the prompt's text; a chat prompt's last user message
             ("prompt_messages", pa.string()),  # a chat prompt's messages (JSON), else null
@@ -334,6 +336,8 @@ class Archiver:
             entry_id = text(raw_id)
             source_id = text((fields or {}).get(b"source_id", b""))
             payload = groups[i] if source.kind == SOURCE_TRAINED else fields
+            if fields and fields.get(b"fate") == b"expired":  # the expired group's copy itself
+                payload = _original(fields, EXPIRED_HEADER)
             if not fields or not payload:  # trimmed by the log's cap before it was read
                 self.missing += 1
                 log.warning(
@@ -376,6 +380,20 @@ class Archiver:
         but for a trained log's entry, whose group is in the groups stream)."""
         run = self.settings.run
         common: dict[str, Any] = {"entry_id": entry_id, "archived_at": time.time()}
+        if source.kind == SOURCE_TRAINED and fields.get(b"fate") == b"expired":
+            group = codec.decode_group(payload)
+            step = _int(fields.get(b"train_step"))
+            common.update(
+                fate="expired",
+                reason=text(fields.get(b"reason", b"expired")),
+                train_step=step if step is not None and step >= 0 else None,
+                trained_at=_float(fields.get(b"trained_at")),
+                trained_by=text(fields.get(b"trained_by", b"")),
+                source=source.groups,
+                source_id=text(fields.get(b"source_id", b"")),
+                format=text(payload.get(b"format", b"1.0")),
+            )
+            return (UNTRAINED, run, group.task, "expired"), group_rows(run, group, common)
         if source.kind == SOURCE_TRAINED:
             group = codec.decode_group(payload)
             step = _int(fields.get(b"train_step"))

@@ -133,7 +133,7 @@ class BatchReader:
         def take(task: str, item: BatchItem) -> None:
             staleness = train_step - item.group.model_step - 1
             if staleness >= threshold:
-                self._expire(item)
+                self._expire(item, train_step)
                 result.expired += 1
             else:
                 result.batches[task].items.append(item)
@@ -172,8 +172,8 @@ class BatchReader:
         result.wait_s = time.monotonic() - started
         return result
 
-    def _expire(self, item: BatchItem) -> None:
+    def _expire(self, item: BatchItem, train_step: int = -1) -> None:
         if self.settings.rollout.tail_batch_trigger_size == -1:
-            self.buffer.discard(item)
+            self.buffer.discard(item, train_step=train_step)
         else:
-            self.buffer.expire(item)
+            self.buffer.expire(item, train_step=train_step)

@@ -175,9 +175,10 @@ class ReplayBuffer:
         fields: dict[str, Any] | None,
         counter: Count,
         more: dict[str, float] | None = None,
+        log: tuple[str, dict[str, Any]] | None = None,
     ) -> str | None:
         try:
-            return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more)
+            return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more, log)
         finally:  # settled, not ours any more, or failed: then reclaim takes it back
             self.release([entry])
 
@@ -534,9 +535,10 @@ class ReplayBuffer:
                 length, self.keys.trained(task), settings.keep,
             )  # fmt: skip
 
-    def expire(self, item: BatchItem, keep: Sequence[Sample] = ()) -> str | None:
+    def expire(self, item: BatchItem, keep: Sequence[Sample] = (), train_step: int = -1) -> str | None:
         """Move a too-stale group to the expired pool as its prompt (plus ``keep``), and
-        ack + delete it, atomically. None when it was no longer this trainer's."""
+        ack + delete it, atomically. None when it was no longer this trainer's. With an
+        archive, a copy of the group goes to the trained log in the same transaction."""
         group = item.group
         entry = Group(
             group_id=group.group_id,
@@ -550,12 +552,37 @@ class ReplayBuffer:
             created_at=group.created_at,
         )
         fields = codec.encode_group(entry, summary=self.settings.buffer.summary)
-        return self._settle(item.entry, self.keys.expired(group.task), fields, Count.EXPIRED)
+        log = self._expired_record(item, train_step)
+        return self._settle(item.entry, self.keys.expired(group.task), fields, Count.EXPIRED, log=log)
 
-    def discard(self, item: BatchItem, status: Status = Status.EXPIRED) -> bool:
+    def discard(self, item: BatchItem, status: Status = Status.EXPIRED, train_step: int = -1) -> bool:
         """Ack + delete a group without re-queueing it (expired groups when tail batch is -1,
         late results of a finished coordinator batch as aborted)."""
-        return self._settle(item.entry, None, None, DROPPED_COUNT[status]) is not None
+        log = self._expired_record(item, train_step) if status == Status.EXPIRED else None
+        return self._settle(item.entry, None, None, DROPPED_COUNT[status], log=log) is not None
+
+    def _expired_record(self, item: BatchItem, train_step: int) -> tuple[str, dict[str, Any]] | None:
+        """With an archive (archive.keep > 0): the trained-log record of a group that
+        expired at ``train_step``, the group's own fields after the header (docs/stream-
+        format.md §13). Expiry is rare (admission control comes first): sending the copy
+        from here costs the trainer nothing it would notice."""
+        if self.settings.archive.keep <= 0:
+            return None
+        staleness = train_step - item.group.model_step - 1
+        header: dict[str, Any] = {
+            "fate": "expired",
+            "source_id": item.entry.id,
+            "train_step": train_step,
+            "trained_at": repr(time.time()),
+            "trained_by": self.consumer,
+            "reason": f"expired at train step {train_step}: staleness {staleness} >= stale_threshold "
+            f"{self.settings.rollout.stale_threshold}",
+        }
+        record = dict(header)
+        for name, value in item.entry.fields.items():
+            key = name.decode() if isinstance(name, bytes) else str(name)
+            record["orig." + key if key in header else key] = value
+        return self.keys.trained(item.entry.task), record
 
     # --- both sides ------------------------------------------------------------------
 

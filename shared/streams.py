@@ -146,13 +146,15 @@ class Entry:
 @dataclass(slots=True)
 class Settle:
     """What one settle writes: ``fields`` appended to ``dest`` (none: nothing appended),
-    the entry counted in ``progress_field``, and ``more`` added to other counters."""
+    the entry counted in ``progress_field``, and ``more`` added to other counters;
+    ``log``: a (stream, fields) record appended too (the archive's trained log)."""
 
     entry: Entry
     dest: str | None
     fields: dict[str, Any] | None
     progress_field: str
     more: dict[str, float] | None = None
+    log: tuple[str, dict[str, Any]] | None = None
 
 
 class ConsumerStreams:
@@ -216,12 +218,13 @@ class ConsumerStreams:
         fields: dict[str, Any] | None,
         progress_field: str,
         more: dict[str, float] | None = None,
+        log: tuple[str, dict[str, Any]] | None = None,
     ) -> str | None:
-        """Ack + delete a held entry, first appending ``fields`` to ``dest`` if given;
-        count it in ``progress_field`` (and add ``more`` to other progress fields).
-        Returns the new entry's id ("OK" without a destination), or None, with nothing
-        written, when the entry is not ours."""
-        return self.settle_many([Settle(entry, dest, fields, progress_field, more)])[0]
+        """Ack + delete a held entry, first appending ``fields`` to ``dest`` if given (and
+        ``log``'s record to its stream); count it in ``progress_field`` (and add ``more``
+        to other progress fields). Returns the new entry's id ("OK" without a
+        destination), or None, with nothing written, when the entry is not ours."""
+        return self.settle_many([Settle(entry, dest, fields, progress_field, more, log)])[0]
 
     def settle_many(self, settles: Sequence[Settle]) -> list[str | None]:
         """Settle entries of one stream in one round trip (one gate, one MULTI ... EXEC);
@@ -264,6 +267,8 @@ class ConsumerStreams:
             added = iter(done)
             for i in todo:
                 results[i] = text(next(added)) if settles[i].dest else "OK"
+                if settles[i].log:
+                    next(added)  # the log record's id
             todo = []
         return results
 
@@ -295,7 +300,8 @@ class ConsumerStreams:
             counts[s.progress_field] = counts.get(s.progress_field, 0) + 1
             for name, amount in (s.more or {}).items():
                 counts[name] = counts.get(name, 0) + amount
-        dests = list(dict.fromkeys(s.dest for s in settles if s.dest))
+        logs = [s.log[0] for s in settles if s.log]
+        dests = list(dict.fromkeys([*(s.dest for s in settles if s.dest), *logs]))
         gate = (
             "EVAL", SETTLE_GATE, 3 + len(dests), stream, self.keys.progress, fence, *dests,
             group, self.consumer, len(ids), *ids, *counts,
@@ -307,6 +313,11 @@ class ConsumerStreams:
                 for name, value in (s.fields or {}).items():
                     flat += (name, value)
                 writes.append(("XADD", s.dest, "*", *flat))
+            if s.log:
+                flat = []
+                for name, value in s.log[1].items():
+                    flat += (name, value)
+                writes.append(("XADD", s.log[0], "*", *flat))
         writes += [("XACK", stream, group, *ids), ("XDEL", stream, *ids)]
         for name, amount in counts.items():
             command = "HINCRBY" if isinstance(amount, int) else "HINCRBYFLOAT"

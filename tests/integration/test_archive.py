@@ -404,3 +404,31 @@ def test_groups_kept_for_the_archiver_are_neither_waiting_nor_lag(
     collector = RunCollector(trainer.client, trainer.keys, ["math"], 10.0)
     lag = next(m for m in collector.read() if m.name == stream_metric("groups", "lag"))
     assert [s.value for s in lag.samples if s.labels.get("task") == "math"] == [2.0]
+
+
+def test_expired_groups_are_archived_whole_with_their_reason(
+    real_buffer: BufferFactory, tmp_path: Path
+) -> None:
+    settings = _archive_settings(tmp_path)
+    producer = real_buffer("p1", **settings)
+    trainer = real_buffer("trainer", **settings)
+    producer.feed(prompts("math", 2))
+    for claim in producer.claim("math", 2):
+        producer.complete(claim, group_for(claim.prompt, n=4, tokens=3, step=0))
+    batch = trainer.read_batch("math", 2)
+    assert trainer.expire(batch.items[0], train_step=9) is not None  # re-rolled from the pool
+    assert trainer.discard(batch.items[1], train_step=9)  # tail_batch_trigger_size -1: dropped
+    assert trainer.client.xlen(trainer.keys.expired("math")) == 1
+    archiver = Archiver(trainer.client, trainer.settings)
+    archiver.ensure()
+    archiver.step(0)
+    archiver.flush()
+    rows = _read(tmp_path / "archive" / "untrained")
+    assert sorted(set(rows["group_id"])) == ["math:u0", "math:u1"] and set(rows["fate"]) == {"expired"}
+    assert len(rows) == 2 * 4  # the samples, as the trainer read them
+    assert set(rows["staleness"]) == {8} and set(rows["train_step"]) == {9}
+    assert set(rows["reason"]) == {"expired at train step 9: staleness 8 >= stale_threshold 2"}
+    third = rows[(rows["group_id"] == "math:u1") & (rows["sample_index"] == 2)].iloc[0]
+    assert list(third["response_ids"]) == [2, 3, 4] and third["prompt"] == "What is 1 + 1?"
+    assert not (tmp_path / "archive" / "trained").exists()
+    assert trainer.client.xlen(trainer.keys.trained("math")) == 0
