@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import statistics
 import threading
@@ -35,7 +36,7 @@ from rollstream.producer.judges.rq import RQJudge
 from rollstream.producer.pool import BasePool
 from rollstream.producer.tokenizer import Tokenizer
 from rollstream.shared.buffer import Claim, ReplayBuffer
-from rollstream.shared.keys import EVALS
+from rollstream.shared.keys import EVALS, Keys, Role
 from rollstream.shared.records import Group, Prompt, Sample, Status
 from rollstream.shared.settings import ProducerSettings, Settings
 from rollstream.shared.telemetry import group_completed, group_generated, judge_failed, judged
@@ -43,7 +44,10 @@ from rollstream.shared.telemetry import group_completed, group_generated, judge_
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
 DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
 SAMPLING_META = "sampling"  # a prompt's own temperature / top_p, over the producer's (prompt_sampling)
+MAX_CAUSES = 256  # distinct judge-failure causes remembered (each logged once)
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -179,6 +183,70 @@ class SerialThread:
                 loop.call_soon_threadsafe(settle)
 
 
+class JudgeFailures:
+    """What the producer says when the judge fails groups, which then go to the dead
+    letters (each with its reason): one warning per cause, not a line per group, and not
+    silence (every prompt of a dataset without ``meta.answer`` fails the same way). On
+    the judge queue, a failure while no ``rollstream judge`` worker is alive (the run's
+    liveness keys) is said once, loudly, with the groups it takes along; said again only
+    after a judge worker was seen alive in between."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, producer: str, queue_key: str | None) -> None:
+        self.client = client
+        self.judges = keys.alive(Role.JUDGE, "*")
+        self.producer = producer
+        self.queue_key = queue_key  # the rq queue's key, when the judge runs on the queue
+        self.waiting = 0  # groups waiting on the judge queue now (the event loop counts them)
+        self.judgeless = 0  # groups failed on the queue with no judge worker alive, since the warning
+        self.causes: dict[str, int] = {}  # groups failed per cause
+
+    def failed(self, group_id: str, exc: JudgeError) -> None:
+        """One group failed for ``exc`` (called off the event loop: it may ask Redis)."""
+        if self.queue_key is not None:
+            alive = self._judge_alive()
+            if alive is False:
+                self.judgeless += 1
+                if self.judgeless == 1:
+                    log.warning(
+                        "producer %s: no `rollstream judge` worker is alive (no %s key) to run the jobs "
+                        "on the judge queue %s (producer.judge_on_queue is set): group %s is dead-lettered "
+                        "(%s) and so will be the %d other groups waiting on the queue and every group "
+                        "after them until a judge worker runs; start `rollstream judge` "
+                        "(said once, not per group)",
+                        self.producer, self.judges, self.queue_key, group_id, exc, self.waiting,
+                    )  # fmt: skip
+                return
+            if alive and self.judgeless:
+                log.warning(
+                    "producer %s: a judge worker is alive again; %d groups were dead-lettered while none was",
+                    self.producer, self.judgeless,
+                )  # fmt: skip
+                self.judgeless = 0
+        cause = str(exc).replace(group_id, "{group}")
+        if exc.job_id:
+            cause = cause.replace(exc.job_id, "{job}")
+        seen = self.causes.get(cause)
+        if seen is not None:
+            self.causes[cause] = seen + 1
+            return
+        if len(self.causes) == MAX_CAUSES:
+            log.warning("producer %s: the judge failed group %s: %s", self.producer, group_id, exc)
+            return
+        self.causes[cause] = 1
+        log.warning(
+            "producer %s: the judge failed group %s: %s; it is dead-lettered, and so is every group "
+            "that fails this way (said once per cause: `rollstream show dead` lists them)",
+            self.producer, group_id, exc,
+        )  # fmt: skip
+
+    def _judge_alive(self) -> bool | None:
+        """Whether a judge worker keeps a liveness key; None when Redis does not say."""
+        try:
+            return next(iter(self.client.scan_iter(match=self.judges, count=1000)), None) is not None
+        except redis.RedisError:
+            return None
+
+
 class GroupFailed(Exception):
     """Every attempt at a group failed; the message says why the last one did."""
 
@@ -212,6 +280,8 @@ class GroupRunner:
         # event loop: a slow one would freeze the producer (its weight syncs, the proxy's
         # HTTP server, every other group)
         self._judging = SerialThread("judge")
+        queue_key = rq_judge.queue.key if rq_judge is not None else None
+        self.judge_failures = JudgeFailures(buffer.client, buffer.keys, buffer.consumer, queue_key)
         self.retries = 0
         self.window = Window()  # what completed groups brought since the last metrics record
 
@@ -242,6 +312,7 @@ class GroupRunner:
             await self.score(group)
         except JudgeError as exc:
             judge_failed(claim.task)
+            await asyncio.to_thread(self.judge_failures.failed, claim.group_id, exc)
             await asyncio.to_thread(self.buffer.dead_letter, claim.entry, f"judge failed: {exc}")
             return FAILED
         except asyncio.CancelledError:
@@ -383,11 +454,18 @@ class GroupRunner:
             # rq retries a failed or killed job itself: wait for every try
             tries = self.settings.buffer.max_attempts
             wait_s = tries * (self.settings.producer.judge_timeout_s + 5)
+            # a cancelled group (a stop) ends the thread's wait too: the interpreter waits
+            # for that thread at exit, for as long as wait_s when the judge is gone
+            given_up = threading.Event()
+            self.judge_failures.waiting += 1
             try:
-                rewards = await asyncio.to_thread(self.rq_judge.result, job, wait_s)
+                rewards = await asyncio.to_thread(self.rq_judge.result, job, wait_s, given_up)
             except asyncio.CancelledError:
+                given_up.set()
                 self.rq_judge.cancel([job])
                 raise
+            finally:
+                self.judge_failures.waiting -= 1
         apply_rewards(group.samples, rewards)
 
 

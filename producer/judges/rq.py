@@ -15,6 +15,7 @@ and needs this package (and any dotted-path judge) importable.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
@@ -103,8 +104,12 @@ class RQJudge:
             description=f"judge {self.spec} {prompt.group_id}",
         )
 
-    def result(self, job: Job, wait_s: float) -> list[dict[str, Any]]:
-        """The rewards of a finished job; JudgeError if it failed, was cancelled, or is not done in wait_s."""
+    def result(
+        self, job: Job, wait_s: float, given_up: threading.Event | None = None
+    ) -> list[dict[str, Any]]:
+        """The rewards of a finished job; JudgeError if it failed, was cancelled, or is not done
+        in wait_s, or once ``given_up`` is set (the caller no longer waits: a stop)."""
+        given_up = given_up or threading.Event()
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -128,7 +133,8 @@ class RQJudge:
                     f"judge job {job.id} timed out waiting: not done after {wait_s} s (still {status.value})",
                     job.id,
                 )
-            time.sleep(min(self.poll_s, remaining))
+            if given_up.wait(min(self.poll_s, remaining)):
+                raise JudgeError(f"judge job {job.id}: given up waiting (still {status.value})", job.id)
 
     def cancel(self, jobs: Iterable[Job]) -> int:
         """Cancel the jobs not yet started and stop the running ones; the number cancelled or stopped.
