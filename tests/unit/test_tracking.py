@@ -8,12 +8,13 @@ import json
 import struct
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rollstream.consumer.tracking import TensorBoardLogger, WandbLogger, open_loggers, step_figures
 from rollstream.shared.errors import SettingsError
-from tests.helpers import require
+from tests.helpers import require, wait_for
 
 
 def test_a_step_s_figures_under_verl_and_trl_names() -> None:
@@ -76,11 +77,33 @@ def test_without_the_extra_asking_for_tensorboard_says_what_to_install(
 
 def wandb_history(root: Path) -> list[dict[str, object]]:
     """The history rows of the one W&B run under ``root``/wandb, read from its .wandb file
-    (LevelDB log records of wandb's protobuf Record), as W&B's own sync reads it."""
+    (LevelDB log records of wandb's protobuf Record), as W&B's own sync reads it. The run's
+    service process may still be writing the file after ``finish`` returns: read it once
+    it holds the run's exit record."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = (root / "wandb").glob("offline-run-*/run-*.wandb")
-    data, block = path.read_bytes(), 32768
+    def records() -> list[Any]:
+        paths = list((root / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(paths) <= 1, paths
+        if not paths:
+            return []
+        out = []
+        for chunk in _log_records(paths[0].read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            out.append(record)
+        return out
+
+    done = wait_for(lambda: (r := records()) and r[-1].WhichOneof("record_type") == "exit" and r, timeout=30)
+    return [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+        for record in done
+        if record.WhichOneof("record_type") == "history"
+    ]
+
+
+def _log_records(data: bytes, block: int = 32768) -> list[bytes]:
+    """The records of a LevelDB log after wandb's 7-byte header (":W&B", magic, version)."""
     assert data[:4] == b":W&B"
     pos, chunks, pending = 7, [], b""
     while pos + 7 <= len(data):
@@ -98,15 +121,7 @@ def wandb_history(root: Path) -> list[dict[str, object]]:
             pending = b""
         else:
             break
-    rows = []
-    for chunk in chunks:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(chunk)
-        if record.WhichOneof("record_type") == "history":
-            rows.append(
-                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-            )
-    return rows
+    return chunks
 
 
 def test_wandb_offline_writes_a_run_that_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
