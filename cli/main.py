@@ -235,6 +235,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rollstream.cli.plot import plot
+
+    settings = _settings(args)
+    logdir = args.log_dir or f"runs/{settings.run}"
+    path = plot(logdir, args.out or f"{logdir}/run.png", stale_threshold=settings.rollout.stale_threshold)
+    print(f"{path}: reward, staleness and throughput of {logdir}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rollstream.cli.demo import demo
 
@@ -456,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a Redis that lost the run stops the trainer (exit 5) instead of training from step 1 again",
     )
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plot", help="a run's reward, staleness and throughput as a PNG (from train --log-to)")
+    p.add_argument("--log-dir", help="the trainer's --log-dir (default runs/RUN)")
+    p.add_argument("--out", help="the PNG to write (default LOG_DIR/run.png)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("demo", help="a model learns through rollstream, in one process on an embedded Redis")
     p.add_argument(
