@@ -11,6 +11,7 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
                the weight-sync time of each engine kind
   metrics_scrape bench/metrics_scrape.py: Redis time of one scrape of `rollstream metrics`,
                at 1 and 64 producers
+  archive      bench/archive.py: what the rollout archive adds to a trainer's step (goal < 2 %)
 
     .venv/bin/python bench/run_all.py            # ~20 min on 2 cores
     .venv/bin/python bench/run_all.py --quick    # ~2 min, smoke sizes
@@ -39,6 +40,7 @@ BENCHES: dict[str, list[str]] = {
     "learning": [],
     "vllm_pipeline": [],
     "metrics_scrape": [],
+    "archive": [],
 }
 
 
@@ -109,6 +111,14 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             "staleness_violations": pipeline["staleness_violations"],
             "groups_trained_measured": groups,
             "time_compression": pipeline["params"]["compression"],
+        }
+    if archive := read_json(RESULTS / "archive.json"):
+        out["archive"] = {
+            "step_overhead": archive["archive_step_overhead"],
+            "train_ms": archive["train_ms"],
+            "commit_us_per_group": {
+                w: archive[w]["commit_us_per_group"]["median"] for w in ("plain", "archiving")
+            },
         }
     if sync := read_json(RESULTS / "weight_sync.json"):
         out["weight_sync"] = {
@@ -238,6 +248,16 @@ def summary_table(r: dict[str, Any]) -> str:
             f"of {p['groups_trained_measured']:,} groups trained (measured steps)",
             "0",
             p["staleness_violations"] == 0,
+        )
+    if a := r.get("archive"):
+        add(
+            "archive.step_overhead",
+            f"{a['step_overhead']:+.2%}",
+            f"a step of {a['train_ms']:.0f} ms training with `rollstream archive` running / without an "
+            f"archive; commit {a['commit_us_per_group']['archiving']:.0f} / "
+            f"{a['commit_us_per_group']['plain']:.0f} µs per group",
+            "< 2%",
+            a["step_overhead"] < 0.02,
         )
     if w := r.get("weight_sync"):
         add(
