@@ -9,6 +9,11 @@ when to re-roll them: at once, or once N wait there).
 
 A batch is acknowledged (and deleted) only by ``commit()``, after the optimizer
 step; a trainer that dies before that gets the same groups again after a restart.
+
+With ``redis.wait_replicas`` N > 0 a batch is handed out only once N replicas hold the
+reads that made it (a failover can then not forget that this trainer holds them, and
+deliver them again to be trained twice), and ``commit()`` returns only once N replicas
+hold the commit (shared/replication.py).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from rollstream.shared.allocation import allocate_batch_sizes
 from rollstream.shared.buffer import Batch, BatchItem, ReplayBuffer
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
-from rollstream.shared.keys import GROUPS, TRAINER_CONSUMER
+from rollstream.shared.keys import GROUPS, TRAINER, TRAINER_CONSUMER
 from rollstream.shared.records import Group
+from rollstream.shared.replication import wait_for_replicas
 from rollstream.shared.settings import Settings
 
 POLL_MS = 100
@@ -58,6 +64,10 @@ class TrainBatch:
         for batch in self.batches.values():
             foreign += self._buffer.commit(batch, self.train_step)
         RunControl(self._buffer.client, self._buffer.keys).advance_train_step(self.train_step)
+        wait_for_replicas(
+            self._buffer.client, self._buffer.keys, self._buffer.settings.redis,
+            f"the commit of train step {self.train_step}", committed_step=self.train_step,
+        )  # fmt: skip
         return foreign
 
 
@@ -146,6 +156,8 @@ class BatchReader:
         while True:
             missing = {task: q - len(result.batches[task]) for task, q in self.quota.items()}
             if all(m <= 0 for m in missing.values()):
+                if self._forgotten(result, train_step):
+                    continue  # read again what a failover made Redis forget
                 break
             remaining_ms = POLL_MS if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000)
             got_any = False
@@ -158,7 +170,7 @@ class BatchReader:
                     take(task, item)
             if deadline is not None and time.monotonic() >= deadline:
                 wanted = self.settings.rollout.batch_size if min_wait_num is None else min_wait_num
-                if len(result) >= wanted:
+                if len(result) >= wanted and not self._forgotten(result, train_step):
                     break
                 got = ", ".join(f"{t} {len(b)}/{self.quota[t]}" for t, b in result.batches.items())
                 # what was read stays pending for this trainer: the next call starts from it
@@ -171,6 +183,41 @@ class BatchReader:
             batch.items.sort(key=lambda item: item.group.model_step)
         result.wait_s = time.monotonic() - started
         return result
+
+    def _forgotten(self, result: TrainBatch, train_step: int) -> bool:
+        """With redis.wait_replicas: make the reads of the batch durable on the replicas,
+        then take out of the batch the groups that Redis no longer has pending for this
+        trainer (a failover between a read and its replication forgot the read: another
+        consumer would be given them again). True when some were taken out."""
+        if self.settings.redis.wait_replicas <= 0 or not len(result):
+            return False
+        buffer = self.buffer
+        wait_for_replicas(
+            buffer.client, buffer.keys, self.settings.redis, f"the reads of train step {train_step}"
+        )
+        forgotten = 0
+        for task, batch in result.batches.items():
+            if not batch.items:
+                continue
+            pipe = buffer.client.pipeline(transaction=False)
+            for item in batch.items:
+                pipe.xpending_range(
+                    buffer.keys.groups(task), TRAINER, min=item.entry.id, max=item.entry.id, count=1,
+                    consumername=buffer.consumer,
+                )  # fmt: skip
+            pending = pipe.execute()
+            gone = [item for item, mine in zip(batch.items, pending, strict=True) if not mine]
+            if gone:
+                forgotten += len(gone)
+                buffer.release(item.entry for item in gone)
+                result.staleness.subtract(train_step - item.group.model_step - 1 for item in gone)
+                batch.items = [item for item, mine in zip(batch.items, pending, strict=True) if mine]
+                log.warning(
+                    "train step %d: Redis no longer has %d groups of %s pending for %s (a failover "
+                    "lost their read): left out, read again (ids %s)", train_step, len(gone),
+                    buffer.keys.groups(task), buffer.consumer, ", ".join(i.entry.id for i in gone[:8]),
+                )  # fmt: skip
+        return forgotten > 0
 
     def _expire(self, item: BatchItem, train_step: int = -1) -> None:
         if self.settings.rollout.tail_batch_trigger_size == -1:

@@ -8,6 +8,16 @@ safe for what rollstream sends: settles and commits are fenced scripts that chan
 nothing the second time, WATCHed transactions are never retried blindly (redis-py
 raises instead), feeds are idempotent by uid, and a weight-sync event sent twice
 is ignored by producers already on its step.
+
+A failover is an outage too. With a ``redis+sentinel://`` URL every connection asks the
+Sentinels for the primary when it (re)connects, and a READONLY reply (a primary demoted to
+a replica while a connection to it stayed open) closes the connection and is retried on
+the new primary; with a plain URL whose name moves to the new primary (a managed Redis),
+READONLY is retried the same way. A command refused with READONLY wrote nothing.
+
+With ``redis.wait_replicas`` N > 0, :func:`wait_for_replicas` makes what a connection
+wrote durable on N replicas (WAIT) before the caller goes on: the trainer's read and
+commit use it (README "Redis high availability").
 """
 
 from __future__ import annotations
@@ -21,8 +31,9 @@ from typing import Any, TypeVar
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from rollstream.shared import telemetry
+from rollstream.shared import redisurl, telemetry
 from rollstream.shared.errors import RedisTooOld, RedisUnavailable, SettingsError
 from rollstream.shared.settings import ENV_PREFIX, RedisSettings, redact_url
 from rollstream.shared.waiting import NotYet, wait_until
@@ -43,6 +54,8 @@ class OutageRetry(Retry):
     def __init__(self, shown_url: str, limit_s: float, base_s: float = 0.05, cap_s: float = 1.0) -> None:
         # the count is only what redis-py reports in its metrics: the limit is limit_s
         super().__init__(ExponentialWithJitterBackoff(base=base_s, cap=cap_s), retries=1_000_000)
+        # a primary demoted by a failover answers writes with READONLY: nothing was written
+        self.update_supported_errors([redis.ReadOnlyError])
         self.shown_url = shown_url
         self.limit_s = limit_s
 
@@ -110,13 +123,54 @@ def connect(settings: RedisSettings, *, check: bool = True, ride_out: bool = Tru
 
 
 def _client(settings: RedisSettings, retry: Retry | None) -> redis.Redis:
-    return redis.Redis.from_url(
-        settings.url,
-        socket_timeout=settings.socket_timeout_s,
-        socket_connect_timeout=min(settings.socket_timeout_s, 10.0),
-        health_check_interval=30,
-        retry=retry if retry is not None else Retry(ExponentialWithJitterBackoff(), 0),
+    options: dict[str, Any] = {
+        "socket_timeout": settings.socket_timeout_s,
+        "socket_connect_timeout": min(settings.socket_timeout_s, 10.0),
+        "health_check_interval": 30,
+        "retry": retry if retry is not None else Retry(ExponentialWithJitterBackoff(), 0),
+    }
+    if redisurl.scheme_of(settings.url) == redisurl.SENTINEL:
+        return _sentinel_client(redisurl.parse(settings.url), options)
+    if redisurl.scheme_of(settings.url) == redisurl.CLUSTER:
+        raise SettingsError(
+            f"invalid setting redis.url ({ENV_PREFIX}REDIS__URL): redis+cluster:// is not supported yet"
+        )
+    return redis.Redis.from_url(settings.url, **options)
+
+
+class FollowingConnection(SentinelManagedConnection):
+    """A connection to the primary that the Sentinels name, asked at every socket connect.
+
+    redis-py's own asks only in ``connect()``: a connection that drops while a command is
+    in flight is connected again inside the retry loop (``send_packed_command``), to the
+    address it had, which after a failover is the dead primary's, until the outage limit."""
+
+    def _connect(self) -> Any:
+        if self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        return super()._connect()  # type: ignore[no-untyped-call]
+
+
+def _sentinel_client(target: redisurl.MultiHostUrl, options: dict[str, Any]) -> redis.Redis:
+    """A client of the primary that the Sentinels name, asked again at each (re)connect."""
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": min(options["socket_timeout"], 5.0),
+        "socket_connect_timeout": min(options["socket_connect_timeout"], 5.0),
+    }
+    if "sentinel_password" in target.options:
+        sentinel_options["password"] = target.options["sentinel_password"]
+    if "sentinel_username" in target.options:
+        sentinel_options["username"] = target.options["sentinel_username"]
+    sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        target.service,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        connection_class=FollowingConnection,
+        **options,
     )
+    return client
 
 
 def check_server(client: redis.Redis, url: str) -> str:

@@ -4,6 +4,7 @@ RollstreamError
 ├── SettingsError          an invalid setting: names the setting and what is allowed
 │   └── RunSettingsMismatch  this process disagrees with the run's published settings
 ├── RedisUnavailable       Redis did not answer: names the URL (never the password)
+│   └── ReplicasBehind     fewer replicas than redis.wait_replicas hold a write, or a failover lost it
 ├── RedisTooOld            the server lacks a command we need (XAUTOCLAIM: 6.2)
 ├── ServerNotFound         no redis-server binary to start an embedded server with
 ├── InputError             bad user input
@@ -38,6 +39,18 @@ class RedisUnavailable(RollstreamError):
         self.url = url
         self.reason = reason
         self.retryable = retryable  # False: waiting will not help (wrong password, refused)
+
+
+class ReplicasBehind(RedisUnavailable):
+    """A write that must be on ``redis.wait_replicas`` replicas is not: fewer acknowledged it
+    (WAIT) within ``redis.outage_limit_s``, or the primary that answered after a failover
+    lacks it. The caller does not go on as if it were durable."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        RollstreamError.__init__(self, f"Redis at {url}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.retryable = True
 
 
 class RunSettingsMismatch(SettingsError):

@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError as PydanticSettingsError
 
+from rollstream.shared import redisurl
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.transports import TransportSettings
 
@@ -99,24 +100,46 @@ class RedisSettings(BaseModel):
 
     url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
+        description=(
+            "redis://[user:password@]host:port/db, rediss:// for TLS, unix:///path, "
+            "redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db] (a primary that "
+            "Sentinels fail over), or redis+cluster://[:password@]host:port[,host:port...] (a Redis Cluster)"
+        ),
     )
     socket_timeout_s: float = Field(default=30.0, gt=0)
     outage_limit_s: float = Field(
         default=120.0, ge=0, description="how long a process retries through a Redis outage; 0: not at all"
+    )
+    # Commit durability (README "Redis high availability"): replication is asynchronous, so
+    # a failover may lose what the primary acknowledged last. With N > 0 the trainer's read
+    # and commit return only once N replicas have them (WAIT).
+    wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="replicas that must hold a trainer's reads and commit (WAIT); 0: none",
+    )
+    wait_timeout_ms: int = Field(
+        default=1_000,
+        ge=1,
+        description="how long one WAIT for redis.wait_replicas waits (retried until redis.outage_limit_s)",
     )
 
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
         # The messages never repeat a part of the URL that could hold the password.
+        if redisurl.is_multi_host(value):
+            redisurl.parse(value)
+            return value
         try:
             parts = urlsplit(value)
         except ValueError as exc:  # an unbalanced '[' of an IPv6 host
             raise ValueError(f"the host is not valid: {exc}") from None
         if parts.scheme not in REDIS_SCHEMES:
             raise ValueError(
-                f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, as in redis://host:6379/0"
+                f"the scheme must be one of {', '.join((*REDIS_SCHEMES, *redisurl.SCHEMES))}, "
+                "as in redis://host:6379/0"
             )
         if parts.scheme != "unix" and not parts.hostname:
             raise ValueError("the host is missing: a host is required, as in redis://host:6379/0")

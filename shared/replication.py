@@ -1,0 +1,87 @@
+"""Writes made durable on replicas before the caller goes on (``redis.wait_replicas``).
+
+Redis replicates asynchronously: a primary that dies (kill -9, a lost machine) and is
+replaced by its replica (a Sentinel failover) may take its last acknowledged writes with
+it. ``WAIT N timeout`` returns once N replicas hold everything the connection wrote, and
+since the replication stream is one ordered log, everything every client wrote before.
+
+:func:`wait_for_replicas` sends, on one connection, a small write of its own (the state
+hash's ``replicated`` counter, bumped by a script that first checks that the run's
+train_step is at least the step the caller committed) and WAIT behind it. So it works
+whichever pooled connection carried the caller's own writes, it can be sent again after
+a timeout or a reconnect, and a primary that answers after a failover without the
+caller's commit is told apart from a slow replica: that is :class:`ReplicasBehind`, not
+a success.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from rollstream.shared.errors import ReplicasBehind
+from rollstream.shared.keys import REPLICATED, TRAIN_STEP, Keys
+from rollstream.shared.settings import RedisSettings, redact_url
+
+log = logging.getLogger(__name__)
+
+# KEYS: state hash. ARGV: train_step field, the least train_step the caller committed,
+# the replicated field. Returns the train_step, or -1 - train_step (writing nothing) when
+# it is below the caller's.
+_BARRIER = """
+local step = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
+if step < tonumber(ARGV[2]) then return -1 - step end
+redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+return step
+"""
+
+
+def wait_for_replicas(
+    client: redis.Redis, keys: Keys, settings: RedisSettings, what: str, committed_step: int = 0
+) -> int:
+    """Return once ``settings.wait_replicas`` replicas hold everything written to the
+    primary so far (the number that did; at once, 0, when the setting is 0). Retries the
+    WAIT until ``settings.outage_limit_s``, then raises ReplicasBehind naming ``what``;
+    raises it at once when the primary lacks train_step ``committed_step`` (a failover
+    lost the commit: the caller's step is not committed)."""
+    wanted = settings.wait_replicas
+    if wanted <= 0:
+        return 0
+    shown = redact_url(settings.url)
+    started = time.monotonic()
+    warned = False
+    while True:
+        pipe = client.pipeline(transaction=False)
+        pipe.eval(_BARRIER, 1, keys.state, TRAIN_STEP, committed_step, REPLICATED)
+        pipe.execute_command("WAIT", wanted, settings.wait_timeout_ms)  # type: ignore[no-untyped-call]
+        replies: list[Any] = pipe.execute()
+        step, acked = int(replies[0]), int(replies[1])
+        if step < 0:
+            raise ReplicasBehind(
+                shown,
+                f"{what}: the primary holds train_step {-1 - step}, not {committed_step}: a failover "
+                "lost the commit before a replica had it, so that step is not committed (its groups "
+                "are pending again and the step is redone)",
+            )
+        if acked >= wanted:
+            if warned:
+                log.info("%s: %d replicas hold it after %.1f s", what, acked, time.monotonic() - started)
+            return acked
+        waited = time.monotonic() - started
+        if waited >= settings.outage_limit_s:
+            raise ReplicasBehind(
+                shown,
+                f"{what}: {acked} replicas acknowledged it within {waited:.1f} s, fewer than "
+                f"redis.wait_replicas {wanted} (is a replica down or lagging? "
+                "redis.outage_limit_s bounds this wait)",
+            )
+        if not warned:
+            log.warning(
+                "%s: %d of redis.wait_replicas %d replicas acknowledged it within %d ms; waiting "
+                "for up to redis.outage_limit_s %g s", what, acked, wanted, settings.wait_timeout_ms,
+                settings.outage_limit_s,
+            )  # fmt: skip
+            warned = True

@@ -1,0 +1,213 @@
+"""Real replicated Redis set-ups for the high-availability tests, on free ports, stopped
+by their pids: a primary, replicas and three Sentinels; a 3-master Redis Cluster."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import redis
+
+from rollstream.shared.embedded import find_redis_server, free_port
+from tests.helpers import wait_for
+
+SERVICE = "mymaster"
+
+
+class Node:
+    """One redis-server (or Sentinel) process on 127.0.0.1 with a folder of its own."""
+
+    def __init__(self, binary: str, folder: Path, args: list[str], port: int | None = None) -> None:
+        self.binary = binary
+        self.port = port or free_port()
+        self.folder = folder
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def start(self, config: str | None = None) -> Node:
+        log = (self.folder / "server.log").open("ab")
+        argv = [self.binary]
+        if config is not None:
+            path = self.folder / "node.conf"
+            if not path.exists():  # a Sentinel rewrites its file: keep what it learnt
+                path.write_text(config)
+            argv.append(str(path))
+        argv += ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), *self.args]
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        client = self.client(timeout=0.5)
+        try:
+            wait_for(lambda: self._answers(client), timeout=20)
+        finally:
+            client.close()
+        return self
+
+    def _answers(self, client: redis.Redis) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, self.log_tail()
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    def client(self, timeout: float = 5.0) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+    def kill(self) -> None:
+        """kill -9: the machine is gone, with whatever the replicas had not got yet."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def log_tail(self) -> str:
+        path = self.folder / "server.log"
+        return path.read_text(errors="replace")[-2000:] if path.exists() else ""
+
+
+# Replicas sign in to their primary as the user "repl", which every data node has, so that
+# a test can cut one replica off (hold_replication) while both stay up.
+REPL_USER, REPL_PASSWORD = "repl", "repl-secret"
+DATA_ARGS = [
+    "--save", "", "--appendonly", "no", "--repl-diskless-sync", "yes",
+    "--repl-diskless-sync-delay", "0", "--loglevel", "notice",
+    "--user", REPL_USER, "on", f">{REPL_PASSWORD}", "+psync", "+replconf", "+ping",
+    "--masteruser", REPL_USER, "--masterauth", REPL_PASSWORD,
+]  # fmt: skip
+
+
+class SentinelSet:
+    """A primary, ``replicas`` replicas and three Sentinels (quorum 2) watching them."""
+
+    def __init__(self, replicas: int = 1, down_after_ms: int = 1000) -> None:
+        self.binary = find_redis_server()
+        self._dir = tempfile.mkdtemp(prefix="rollstream-sentinel-")
+        root = Path(self._dir)
+        self.data = [Node(self.binary, root / f"data{i}", DATA_ARGS) for i in range(1 + replicas)]
+        self.sentinels = [Node(self.binary, root / f"sentinel{i}", ["--sentinel"]) for i in range(3)]
+        self.down_after_ms = down_after_ms
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    def start(self) -> SentinelSet:
+        primary = self.data[0].start()
+        for replica in self.data[1:]:
+            replica.args = [*DATA_ARGS, "--replicaof", "127.0.0.1", str(primary.port)]
+            replica.start()
+        config = (
+            f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 2\n"
+            f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {SERVICE} 5000\n"
+            f"sentinel parallel-syncs {SERVICE} 1\n"
+        )
+        for sentinel in self.sentinels:
+            sentinel.start(config)
+        wait_for(lambda: self.replicas_in_sync(len(self.data) - 1), timeout=30)
+        # every Sentinel knows the others and the replicas before anything is failed over
+        wait_for(lambda: all(self._sees_all(s) for s in self.sentinels), timeout=30)
+        return self
+
+    def _sees_all(self, sentinel: Node) -> bool:
+        client = sentinel.client()
+        try:
+            info = client.execute_command("SENTINEL", "MASTER", SERVICE)
+            fields = dict(zip(info[::2], info[1::2], strict=False)) if isinstance(info, list) else info
+            return (
+                int(fields[b"num-other-sentinels"]) == 2 and int(fields[b"num-slaves"]) >= len(self.data) - 1
+            )
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def primary_port(self) -> int | None:
+        """The primary's port as a majority of the Sentinels name it."""
+        seen: dict[int, int] = {}
+        for sentinel in self.sentinels:
+            if sentinel.proc is None:
+                continue
+            client = sentinel.client()
+            try:
+                addr = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+                port = int(addr[1])
+                seen[port] = seen.get(port, 0) + 1
+            except (redis.RedisError, TypeError):
+                pass
+            finally:
+                client.close()
+        best = max(seen.items(), key=lambda kv: kv[1], default=None)
+        return best[0] if best and best[1] >= 2 else None
+
+    def node(self, port: int) -> Node:
+        return next(n for n in self.data if n.port == port)
+
+    def primary(self) -> Node:
+        port = self.primary_port()
+        assert port is not None, "the Sentinels do not agree on a primary"
+        return self.node(port)
+
+    def replicas_in_sync(self, count: int) -> bool:
+        """Whether ``count`` replicas are connected to the primary and streaming."""
+        try:
+            client = self.primary().client()
+        except AssertionError:
+            return False
+        try:
+            info = client.info("replication")
+            return int(info.get("connected_slaves", 0)) >= count and all(
+                info[f"slave{i}"]["state"] == "online" for i in range(int(info["connected_slaves"]))
+            )
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def fail_over_by_kill(self, timeout: float = 30.0) -> tuple[Node, Node]:
+        """kill -9 the primary; return (the dead one, the promoted one) once the Sentinels
+        agree on the new primary and it answers as one."""
+        old = self.primary()
+        old.kill()
+
+        def promoted() -> int | None:
+            port = self.primary_port()
+            if port is None or port == old.port:
+                return None
+            client = self.node(port).client()
+            try:
+                return port if client.info("replication")["role"] == "master" else None
+            except redis.RedisError:
+                return None
+            finally:
+                client.close()
+
+        new_port = wait_for(promoted, timeout=timeout)
+        return old, self.node(new_port)
+
+    def hold_replication(self) -> None:
+        """Cut the replicas off the primary while all stay up (a slow or partitioned link):
+        the primary refuses their user and drops their links, so they fall behind it."""
+        client = self.primary().client()
+        try:
+            client.execute_command("ACL", "SETUSER", REPL_USER, "off")
+            client.execute_command("CLIENT", "KILL", "USER", REPL_USER)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        for node in [*self.sentinels, *self.data]:
+            node.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
