@@ -7,6 +7,7 @@ bytes; on a GPU a pinned device -> host -> device copy):
   file disk             the file transport on a disk folder (4 shards written in parallel)
   file shm              the same on /dev/shm (tmpfs: trainer and engines on one node)
   file shm changed      the same, a step that changed half of the tensors (changed_only)
+  collective            a gloo broadcast from the trainer over a group formed per fetch
   ray                   buckets in Ray's object store (when Ray is installed and --ray)
 
 For each: the trainer's send (seconds), the engine's load (HFEngine.update_weights: read
@@ -120,6 +121,7 @@ def measure(size: str, device: str, dtype: str, repeats: int, use_ray: bool, wor
             0.5,
         ),
     }
+    ways["collective"] = ("collective", {"bucket_mb": 256}, 1.0)
     if use_ray:
         ways["ray"] = ("ray", {"bucket_mb": 256}, 1.0)
     rows: dict[str, Any] = {}

@@ -5,6 +5,8 @@ engine. The weight-sync event (docs/stream-format.md §5.3) names the step and, 
     /path/to/dir  or  file:///path/to/dir     file: safetensors in a directory
     ray://<namespace>/<registry actor>/<key>  ray: buckets in Ray's object store
                                               (shared/transport_ray.py)
+    collective://<host>:<port>/<key>          collective: a gloo broadcast from the trainer
+                                              (shared/transport_collective.py)
 
 A trainer sends with ``sender_for(settings).send(step, tensors)`` and publishes the
 URI it returns; an engine reads with ``receive(uri, names)``, which yields
@@ -67,8 +69,8 @@ class TransportSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    kind: Literal["file", "ray"] = Field(
-        default="file", description="file (a directory) or ray (object store)"
+    kind: Literal["file", "ray", "collective"] = Field(
+        default="file", description="file (a directory), ray (object store), collective (gloo broadcast)"
     )
     dir: str = Field(
         default="",
@@ -84,7 +86,12 @@ class TransportSettings(BaseModel):
         default=20, ge=0, description="every this many sends, a full set (older steps can go); 0: never"
     )
     keep: int = Field(default=3, ge=1, description="steps kept readable (engines still loading one)")
-    bucket_mb: int = Field(default=512, ge=1, description="ray: size of one object-store bucket")
+    bucket_mb: int = Field(default=512, ge=1, description="ray, collective: size of one bucket")
+    address: str = Field(
+        default="",
+        description="collective: host:port the trainer's rendezvous store listens on, which engines "
+        "connect to; empty: 127.0.0.1 and a free port (trainer and engines on one machine)",
+    )
 
 
 class WeightError(Exception):
@@ -108,6 +115,10 @@ def sender_for(
         from rollstream.shared.transport_ray import RaySender
 
         return RaySender(settings, run)
+    if settings.kind == "collective":
+        from rollstream.shared.transport_collective import CollectiveSender
+
+        return CollectiveSender(settings)
     return FileSender(settings, settings.dir or out_dir, config_files or {})
 
 
@@ -122,9 +133,13 @@ def receive(uri: str, sources: dict[str, str] | None = None) -> Iterator[tuple[s
         from rollstream.shared.transport_ray import receive_ray
 
         return receive_ray(uri, sources)
+    if scheme == "collective":
+        from rollstream.shared.transport_collective import receive_collective
+
+        return receive_collective(uri, sources)
     if scheme in ("", "file"):
         return receive_file(uri, sources)
-    raise WeightError(f"weights at {uri!r}: no transport for the scheme {scheme!r} (file, ray)")
+    raise WeightError(f"weights at {uri!r}: no transport for the scheme {scheme!r} (file, ray, collective)")
 
 
 def unique_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:

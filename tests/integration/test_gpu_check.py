@@ -42,7 +42,7 @@ def test_the_gpu_check_runs_clean_on_a_cpu(tmp_path: Path) -> None:
     assert decode["engine_tokens_per_s"] > 0 and decode["bare_tokens_per_s"] > 0
     assert decode["engine_over_bare"] > 0 and "thread_hop_added_ms" in decode["step_ms"]
     ways = report["transports"]["cpu:tiny"]["ways"]
-    assert {"safetensors (today)", "file disk", "file shm", "file shm changed"} <= set(ways)
+    assert {"safetensors (today)", "file disk", "file shm", "file shm changed", "collective"} <= set(ways)
     assert all(w["exact"] for w in ways.values()), ways
     learning = report["learning"]["cpu"]
     assert learning["steps"] == 3 and learning["seconds"] > 0

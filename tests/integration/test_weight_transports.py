@@ -51,7 +51,7 @@ def assert_same_weights(engine: HFEngine, trainer: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", ["drain", "abort", "partial"])
-@pytest.mark.parametrize("kind", ["file", "ray"])
+@pytest.mark.parametrize("kind", ["file", "ray", "collective"])
 def test_engine_weights_equal_the_trainers_after_every_sync(
     kind: str, mode: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
