@@ -34,6 +34,7 @@ from rollstream.shared.status import RunStatus, run_status
 from rollstream.shared.waiting import NotYet, wait_until
 
 log = logging.getLogger("rollstream")
+FEED_PART = 5000  # prompts a one-shot feed writes between two updates of its progress bar
 
 
 def _buffer(settings: Settings, role: str) -> ReplayBuffer:
@@ -64,8 +65,15 @@ def feed(
         client = connect(settings.redis)
     run_identity(client, Keys(settings.run), settings.redis.url)  # a run marked lost is not fed again
     check_run_settings(client, Keys(settings.run), settings, default_consumer_name("feed"))
-    result = ReplayBuffer(client, settings, default_consumer_name("feed")).feed(prompts)
-    print(f"{path}: {result.added} prompts added to task {task!r}, {result.existing} already there")
+    buffer = ReplayBuffer(client, settings, default_consumer_name("feed"))
+    added = existing = 0
+    # a progress bar on a terminal: a big file takes a while (each part is idempotent by uid)
+    with tqdm(total=len(prompts), unit="prompt", desc=f"feed {task}", disable=not on_terminal()) as bar:
+        for start in range(0, len(prompts), FEED_PART):
+            part = buffer.feed(prompts[start : start + FEED_PART])
+            added, existing = added + part.added, existing + part.existing
+            bar.update(part.added + part.existing)
+    print(f"{path}: {added} prompts added to task {task!r}, {existing} already there")
     return 0
 
 

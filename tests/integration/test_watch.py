@@ -1,5 +1,6 @@
 """`rollstream status --watch`: refreshed in place under a pseudo-terminal (rich), plain
-blocks of lines into a file; Ctrl-C leaves it with exit status 0."""
+blocks of lines into a file; Ctrl-C leaves it with exit status 0. A one-shot feed of a
+big file: a progress bar on a terminal, none into a file."""
 
 from __future__ import annotations
 
@@ -102,3 +103,41 @@ def test_into_a_file_it_writes_plain_blocks(
     assert "\x1b[" not in text
     assert "  prompts:math length 5 pending 0 lag 5" in text
     assert "  WARNING no producer alive" in text
+
+
+def test_a_one_shot_feed_of_a_big_file_shows_its_progress_on_a_terminal(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
+) -> None:
+    env = fed_env(redis_server, run_name)
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(f'{{"uid": "b{i}", "prompt": "What is {i} + 1?"}}\n' for i in range(12_000)))
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 140, 0, 0))
+    feed = [sys.executable, "-m", "rollstream.cli.main", "feed", str(path), "--task", "math"]
+    proc = subprocess.Popen(feed, stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    seen = b""
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            chunk = b""
+            if ready:
+                with contextlib.suppress(OSError):
+                    chunk = os.read(master, 65536)
+            seen += chunk
+            if not chunk and proc.poll() is not None:
+                break
+        assert proc.wait(timeout=60) == 0, seen[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    text = seen.decode(errors="replace")
+    assert "feed math: 100%" in text and "12000/12000" in text, text[-2000:]
+    assert "12000 prompts added to task 'math', 0 already there" in text
+    # into a file (a process manager's log): the counts, no bar
+    done = subprocess.run(feed, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "0 prompts added to task 'math', 12000 already there" in done.stdout
+    assert "feed math:" not in done.stderr
