@@ -41,6 +41,9 @@ BENCHES: dict[str, list[str]] = {
     "vllm_pipeline": [],
     "metrics_scrape": [],
     "archive": [],
+    # the hf engine against generate and a bare loop; the weight transports against a memcpy
+    "hf_decode": [],
+    "weight_transports": ["--size", "small,0.5b", "--ray"],
 }
 
 
