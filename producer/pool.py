@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,11 @@ from rollstream.shared.settings import EngineSettings, Settings
 from rollstream.shared.waiting import NotYet, wait_until
 
 ANSWER_TIMEOUT_S = 5.0  # an engine that takes longer to report its health is not answering
+COOLDOWN_S = 2.0  # an engine whose call failed gets no new work this long (doubling in a row)
+COOLDOWN_MAX_S = 30.0
+SYNC_PROBE_S = 3.0  # a weight sync not confirmed by then asks whether the engine answers at all
+PROBE_ANSWER_S = 3.0  # ... and gives it up when it does not answer that in this time
+CONTROL_TIMEOUT_S = 30.0  # pause, resume, abort: an engine that does not confirm by then failed
 log = logging.getLogger(__name__)
 
 
@@ -278,6 +284,11 @@ class BasePool:
         self.outstanding = [0] * size
         # engines that left the run (scaled in): no new work; their calls in flight finish
         self.retired: set[int] = set()
+        # engines whose last call failed (dead, restarting, on a node that went away): no
+        # new work until the time here (monotonic) unless no other engine is left; the
+        # wait doubles with each failure in a row, up to COOLDOWN_MAX_S
+        self.cooling: dict[int, tuple[float, float]] = {}  # index -> (until, wait)
+        self._left: set[asyncio.Future[int]] = set()  # weight syncs given up on, still running
         # the weights every engine must hold before it serves: (model step, path, mode) of
         # the last sync_weights; an engine behind it (restarted by Ray) is synced first
         self.target: tuple[int, str | None, str] = (0, None, "abort")
@@ -287,8 +298,19 @@ class BasePool:
         unless every engine is."""
         avoided = set(avoid)
         everyone = self.serving()
-        candidates = [i for i in everyone if i not in avoided] or everyone
+        now = time.monotonic()
+        avoided_too = avoided | {i for i, (until, _) in self.cooling.items() if until > now}
+        candidates = (
+            [i for i in everyone if i not in avoided_too]
+            or [i for i in everyone if i not in avoided]
+            or everyone
+        )
         return min(candidates, key=lambda i: (self.outstanding[i], i))
+
+    def _failed_on(self, index: int) -> None:
+        _, wait = self.cooling.get(index, (0.0, COOLDOWN_S / 2))
+        wait = min(COOLDOWN_MAX_S, wait * 2)
+        self.cooling[index] = (time.monotonic() + wait, wait)
 
     def serving(self) -> list[int]:
         """The engines that take work: all but those retired."""
@@ -317,21 +339,24 @@ class BasePool:
                     raise
                 generations = await self._generate(index, prompt_ids, params, n, request_id)
         except Exception as exc:
+            if self._unreachable(exc):
+                self._failed_on(index)
             return PoolResult(index, error=self._describe(index, exc))
         finally:
             self.outstanding[index] -= 1
+        self.cooling.pop(index, None)
         return PoolResult(index, generations)
 
     async def abort(self, request_ids: list[str] | None = None) -> int:
-        counts = await self._each(lambda i: self._abort(i, request_ids))
+        counts = await self._each(lambda i: self._abort(i, request_ids), CONTROL_TIMEOUT_S)
         return sum(c for c in counts if isinstance(c, int))
 
     async def pause(self) -> list[int]:
         """Pause every engine; returns the engines that did not confirm."""
-        return _failed(await self._each(lambda i: self._call(i, "pause")))
+        return _failed(await self._each(lambda i: self._call(i, "pause"), CONTROL_TIMEOUT_S))
 
     async def resume(self) -> list[int]:
-        return _failed(await self._each(lambda i: self._call(i, "resume")))
+        return _failed(await self._each(lambda i: self._call(i, "resume"), CONTROL_TIMEOUT_S))
 
     async def update_weights(self, model_step: int, path: str | None = None) -> list[int]:
         """Load ``model_step`` on every engine; returns the engines that did not confirm."""
@@ -340,23 +365,61 @@ class BasePool:
     async def sync_weights(
         self, model_step: int, path: str | None = None, mode: str = "abort", timeout_s: float = 30.0
     ) -> list[int]:
-        """Bring every engine to ``model_step``, re-sending to those that do not confirm
-        (an engine restarting, a call lost) until ``timeout_s``; returns the engines that
-        never confirmed."""
+        """Bring every engine to ``model_step``, re-sending to those whose call failed (an
+        engine restarting, a call lost) until ``timeout_s``; returns the engines that never
+        confirmed. An engine that has not confirmed after SYNC_PROBE_S and does not answer
+        a health probe either (its node is gone, it waits for one) is given up, not
+        waited for, and so is one known gone (cooling) at the start: it is brought to the
+        run's weights before its next group anyway (``target``), and gets no new work
+        meanwhile. The call to an engine given up is left to finish, never cancelled (it
+        may be loading the weights)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        probe_at = loop.time() + SYNC_PROBE_S
         if model_step >= self.target[0]:
             self.target = (model_step, path, mode)
-        pending = self.serving()
-        while True:
-            calls = {i: asyncio.ensure_future(self._sync_one(i, model_step, path, mode)) for i in pending}
-            await asyncio.wait(calls.values(), timeout=max(0.0, deadline - loop.time()))
-            pending = [i for i, c in calls.items() if not c.done() or c.result() < model_step]
+
+        def send(i: int) -> asyncio.Future[int]:
+            return asyncio.ensure_future(self._sync_one(i, model_step, path, mode))
+
+        now = time.monotonic()
+        gone = [i for i in self.serving() if self.cooling.get(i, (0.0, 0.0))[0] > now]
+        calls = {i: send(i) for i in self.serving() if i not in gone}
+        try:
+            while True:
+                waiting = [c for c in calls.values() if not c.done()]
+                if waiting:
+                    until = min(deadline, probe_at) if probe_at > loop.time() else deadline
+                    await asyncio.wait(waiting, timeout=max(0.0, min(until - loop.time(), 1.0)))
+                confirmed = {i for i, c in calls.items() if c.done() and c.result() >= model_step}
+                if len(confirmed) == len(calls) or loop.time() >= deadline:
+                    return sorted([i for i in calls if i not in confirmed] + gone)
+                if loop.time() >= probe_at:
+                    probe_at = loop.time() + SYNC_PROBE_S
+                    silent = [i for i, c in calls.items() if not c.done()]
+                    answers = await asyncio.gather(*(self._answers(i) for i in silent))
+                    for i, answered in zip(silent, answers, strict=True):
+                        if not answered:
+                            call = calls.pop(i)
+                            self._left.add(call)  # referenced while it runs
+                            call.add_done_callback(self._left.discard)
+                            gone.append(i)
+                            self._failed_on(i)
+                failed = [i for i, c in calls.items() if c.done() and c.result() < model_step]
+                if failed:
+                    await asyncio.sleep(0.2)
+                    for i in failed:
+                        calls[i] = send(i)
+        finally:
             for call in calls.values():
                 call.cancel()  # the engine may still finish it; a later sync is a no-op then
-            if not pending or loop.time() >= deadline:
-                return pending
-            await asyncio.sleep(0.2)
+
+    async def _answers(self, index: int) -> bool:
+        try:
+            await asyncio.wait_for(self._health(index), PROBE_ANSWER_S)
+        except Exception:
+            return False
+        return True
 
     async def _sync_one(self, index: int, model_step: int, path: str | None, mode: str) -> int:
         try:
@@ -369,13 +432,18 @@ class BasePool:
         replies = await self._each(self._health)
         return [r if isinstance(r, EngineHealth) else None for r in replies]
 
-    async def _each(self, call: Callable[[int], Awaitable[Any]]) -> list[Any]:
-        """``call`` on every serving engine, by index: None for a retired one."""
+    async def _each(self, call: Callable[[int], Awaitable[Any]], timeout_s: float | None = None) -> list[Any]:
+        """``call`` on every serving engine, by index: None for a retired one, the
+        exception for one that failed or (with ``timeout_s``: an engine whose node is
+        gone never answers) did not answer in time."""
 
         async def nothing() -> None:
             return None
 
-        calls = (nothing() if i in self.retired else call(i) for i in range(len(self.outstanding)))
+        calls = (
+            nothing() if i in self.retired else asyncio.wait_for(call(i), timeout_s)
+            for i in range(len(self.outstanding))
+        )
         return list(await asyncio.gather(*calls, return_exceptions=True))
 
     # --- how to reach engine i -----------------------------------------------------------
@@ -396,6 +464,10 @@ class BasePool:
 
     def _describe(self, index: int, exc: Exception) -> str:
         return f"engine {index}: {_first_line(exc)}"
+
+    def _unreachable(self, exc: Exception) -> bool:
+        """Whether ``exc`` says the engine is gone (not that it refused the request)."""
+        return False
 
 
 class EnginePool(BasePool):
@@ -526,6 +598,9 @@ class EnginePool(BasePool):
 
     async def _call(self, index: int, method: str, *args: Any) -> Any:
         return await getattr(self.handles[index], method).remote(*args)
+
+    def _unreachable(self, exc: Exception) -> bool:
+        return isinstance(exc, RayError) and not isinstance(exc, RayTaskError)
 
     def _describe(self, index: int, exc: Exception) -> str:
         if isinstance(exc, RayTaskError):  # the engine raised: its message says why

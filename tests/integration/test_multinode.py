@@ -179,7 +179,7 @@ def make_run(redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> Iter
         run.kill_all()
 
 
-def start_pipeline(run: Run, prompts: int, steps: int) -> None:
+def start_pipeline(run: Run, prompts: int, steps: int, step_time: float = 0.5) -> None:
     run.feed(prompts)
     run.start("engines", "engines", "--foreground")
     wait_for(lambda: run.alive() and len([n for n in run.nodes() if n]) == 2, timeout=180, interval=0.5)
@@ -191,7 +191,7 @@ def start_pipeline(run: Run, prompts: int, steps: int) -> None:
         "--steps",
         str(steps),
         "--step-time",
-        "0.5",
+        str(step_time),
         "--record",
         str(run.record),
         "--stop-run",
@@ -228,13 +228,15 @@ def test_engines_land_on_the_worker_nodes_and_scale_mid_run(cluster: RayCluster,
     wait_for(lambda: run.alive() and run.train_step() >= 2, timeout=180, interval=0.5)
     run.scale(3)
     assert EngineCount(run.client, run.keys).serving() == 3
-    assert set(run.nodes()) <= set(WORKERS) and len(run.nodes()) == 3
+    wait_for(lambda: run.alive() and len([n for n in run.nodes() if n]) == 3, timeout=60, interval=0.5)
+    assert set(run.nodes()) <= set(WORKERS)
+
     # Then producers send the new engine groups without a restart
-    wait_for(
-        lambda: run.alive() and (run.engines_beat().get("busy") or [0, 0, 0])[2] > 0,
-        timeout=120,
-        interval=0.5,
-    )
+    def new_engine_busy() -> bool:
+        busy = run.engines_beat().get("busy") or []
+        return run.alive() and len(busy) == 3 and (busy[2] or 0) > 0
+
+    wait_for(new_engine_busy, timeout=120, interval=0.5)
     step_at_scale_in = run.train_step()
     assert step_at_scale_in < steps  # still mid-run
 
@@ -249,16 +251,32 @@ def test_engines_land_on_the_worker_nodes_and_scale_mid_run(cluster: RayCluster,
 
 
 def test_a_worker_node_that_dies_mid_run_is_survived(cluster: RayCluster, make_run: Any) -> None:
-    prompts, steps = 80, 20
-    run = make_run(cluster)
-    start_pipeline(run, prompts, steps)
+    # Given one engine per worker node (each takes a node's whole `rollout`)
+    prompts, steps = 160, 40
+    run = make_run(cluster, ROLLSTREAM_ENGINES__RESOURCES='{"rollout": 2}')
+    start_pipeline(run, prompts, steps, step_time=1.0)
     assert sorted(run.nodes()) == list(WORKERS)
     wait_for(lambda: run.alive() and run.train_step() >= 2, timeout=180, interval=0.5)
 
-    # When worker2 dies (every process of it, kill -9)
+    victim = run.nodes().index("worker2")
+    # When worker2 dies (every process of it, kill -9), its engine has no node to go to:
     cluster.kill_node("worker2")
-    # Then its engine comes back on the node left, and the run goes on to its end
-    wait_for(lambda: run.alive() and run.nodes() == ["worker1", "worker1"], timeout=180, interval=0.5)
+    # one warning says what it waits for, and the run goes on on the engine left
+    warning = f"engine {victim} has not answered"
+    wait_for(lambda: run.alive() and warning in run.log("engines"), timeout=120, interval=0.5)
+    assert run.nodes()[victim] is None and run.nodes()[1 - victim] == "worker1"
+    step = run.train_step()
+    wait_for(lambda: run.alive() and run.train_step() >= step + 3, timeout=60, interval=0.5)
+    assert run.train_step() < steps
+
+    # When a node with room joins, the engine comes back there, and the run goes on to its end
+    cluster.add_node(
+        "worker3", num_cpus=2, resources={"rollout": 2}, labels={"node": "worker3", "pool": "gen"}
+    )
+    back = ["worker1", "worker3"]
+    wait_for(lambda: run.alive() and sorted(map(str, run.nodes())) == back, timeout=180, interval=0.5)
     assert run.train_step() < steps
     run.finish()
     every_prompt_trained_once(run, prompts)
+    log = run.log("engines")
+    assert log.count("has not answered") == 1 and f"engine {victim} answers again" in log
