@@ -707,16 +707,16 @@ def judge(settings: Settings, *, stop: threading.Event, burst: bool = False) -> 
     import os
     import signal
 
-    from rq import Queue, Worker
+    from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from rollstream.producer.judges.rq import JUDGE_QUEUE
+    from rollstream.producer.judges.rq import JUDGE_QUEUE, JudgeWorker
 
     with running(settings, Role.JUDGE, stop, queue=JUDGE_QUEUE) as process:
         if process is None:
             return 0
         queue = Queue(JUDGE_QUEUE, connection=process.client, serializer=JSONSerializer)
-        worker = Worker([queue], connection=process.client, serializer=JSONSerializer)
+        worker = JudgeWorker([queue], connection=process.client, serializer=JSONSerializer)
 
         def hand_over() -> None:
             stop.wait()

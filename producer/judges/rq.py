@@ -14,6 +14,7 @@ and needs this package (and any dotted-path judge) importable.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -22,7 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 import redis
-from rq import Queue, Retry
+from rq import Queue, Retry, Worker
 from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
@@ -34,6 +35,9 @@ from rollstream.shared.codec import prompt_from_dict, prompt_to_dict
 from rollstream.shared.records import Prompt, Sample
 
 JUDGE_QUEUE = "judge"
+SUBSCRIBE_WAIT_S = 5.0  # how long a judge worker waits for the reply to its command channel's SUBSCRIBE
+
+log = logging.getLogger(__name__)
 
 # how long a failed judge job stays inspectable (rq's default is a year)
 FAILURE_TTL_S = 24 * 3600
@@ -156,3 +160,38 @@ class RQJudge:
                 continue  # finished, expired or cancelled meanwhile: nothing left to stop
             done += 1
         return done
+
+
+class JudgeWorker(Worker):
+    """rq's worker, whose command channel may be refused: rq subscribes each worker to a
+    pub/sub channel (its prefix's ``:pubsub:<worker>``) on which a producer's
+    ``cancel`` stops a running job. A Redis user without pub/sub channel permission (an
+    ACL without ``&...``) is refused there; rq's subscription then failed in redis-py's
+    thread with a traceback. This says it in one warning and judges on without it."""
+
+    def subscribe(self) -> None:
+        channel = self.pubsub_channel_name
+        pubsub = self.connection.pubsub()  # type: ignore[no-untyped-call]
+        try:
+            pubsub.subscribe(**{channel: self.handle_payload})
+            # the reply to SUBSCRIBE, a refusal included, comes on the pub/sub connection
+            deadline = time.monotonic() + SUBSCRIBE_WAIT_S
+            while time.monotonic() < deadline:
+                message = pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))
+                if message is not None and message.get("type") == "subscribe":
+                    break
+        except redis.ResponseError as exc:  # NOPERM
+            pubsub.close()
+            pattern = channel.rsplit(":", 1)[0] + ":*"
+            log.warning(
+                "judge: worker %s may not subscribe to its rq command channel %s (%s): the Redis "
+                "user lacks pub/sub channel permission (grant it with ACL SETUSER <user> &%s). It "
+                "judges on, but a producer's stop of a running job does not reach it: such a job "
+                "runs to its job_timeout (producer.judge_timeout_s)",
+                self.name, channel, exc, pattern,
+            )  # fmt: skip
+            return
+        self.pubsub = pubsub
+        self.pubsub_thread = pubsub.run_in_thread(
+            sleep_time=60, daemon=True, exception_handler=self._pubsub_exception_handler
+        )

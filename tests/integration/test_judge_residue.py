@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +26,8 @@ from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.liveness import Liveness
 from rollstream.shared.records import Prompt
-from tests.helpers import prompts, wait_for_async
+from tests.helpers import prompts, wait_for, wait_for_async
+from tests.integration.test_judge_rq import ROOT
 from tests.integration.test_producer import settings_for
 
 pytestmark = pytest.mark.integration
@@ -112,7 +117,7 @@ def test_a_stop_does_not_wait_for_a_judge_that_is_gone(
     'started' for ever and no stop command reaches it, so the group's wait would last
     max_attempts x (judge_timeout_s + 5) s (here 45 s). A stop ends within its grace
     (stop_timeout_s / 2 for the groups, then a short settle), a cold stop at once."""
-    from tests.integration.test_judge_rq import ROOT, THIS, worker_command, worker_env
+    from tests.integration.test_judge_rq import THIS, worker_command, worker_env
 
     stop_timeout_s = 2.0 if how == "grace" else 120.0
     producer = make(
@@ -158,3 +163,53 @@ def test_a_stop_does_not_wait_for_a_judge_that_is_gone(
     # the claim went back: nothing pending under the stopped producer
     pending = producer.buffer.client.xpending(producer.buffer.keys.prompts("math"), "producers")
     assert pending["pending"] == 0
+
+
+def test_a_judge_without_pubsub_permission_warns_once_and_judges(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
+) -> None:
+    """`rollstream judge` under a Redis user that may use no pub/sub channel (an ACL
+    without &...): one clear warning, no redis-py thread traceback, and it judges on."""
+    from tests.integration.test_acl import CATEGORIES, PASSWORD
+
+    admin = redis.Redis.from_url(redis_server.url)
+    user = f"u{run_name}"
+    admin.execute_command(
+        "ACL", "SETUSER", user, "on", f">{PASSWORD}", f"~rs:{{{run_name}}}:*", "resetchannels", *CATEGORIES
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    env.update(
+        ROLLSTREAM_REDIS__URL=f"redis://{user}:{PASSWORD}@127.0.0.1:{redis_server.port}/0",
+        ROLLSTREAM_RUN=run_name,
+        ROLLSTREAM_TASKS='[{"name": "math", "n": 2}]',
+    )
+    log_path = tmp_path / "judge.log"
+    with log_path.open("w") as out:
+        judge = subprocess.Popen(
+            [sys.executable, "-m", "rollstream.cli.main", "judge"], env=env, stdout=out, stderr=out
+        )
+    try:
+        wait_for(lambda: "pub/sub" in log_path.read_text() or judge.poll() is not None, timeout=60)
+        assert judge.poll() is None, log_path.read_text()[-2000:]
+        # it judges: a job on the run's queue, submitted by a process with the run's rq prefix
+        submit = (
+            "import sys; import redis; from rollstream.producer.judges.rq import RQJudge; "
+            "from tests.helpers import prompts; from tests.integration.test_judge_rq import sample; "
+            f"j = RQJudge(redis.Redis.from_url({env['ROLLSTREAM_REDIS__URL']!r}), 'math', 10.0); "
+            "job = j.submit(prompts('math', 1)[0], [sample('\\\\boxed{1}')]); "
+            "print(j.result(job, 30)[0]['score'])"
+        )
+        rq_env = {**env, "RQ_KEY_PREFIX": Keys(run_name).rq_prefix, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(
+            [sys.executable, "-c", submit], env=rq_env, cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert done.stdout.strip() == "1.0", done.stdout + done.stderr
+    finally:
+        judge.send_signal(signal.SIGTERM)
+        judge.wait(timeout=60)
+        admin.execute_command("ACL", "DELUSER", user)
+    logged = log_path.read_text()
+    assert judge.returncode == 0, logged[-2000:]
+    assert "Traceback" not in logged, logged[-3000:]
+    (line,) = [line for line in logged.splitlines() if "pub/sub" in line]
+    assert "WARNING" in line and f"rs:{{{run_name}}}:rq:pubsub:" in line, line
