@@ -178,9 +178,11 @@ class FileSender:
         self._pool = ThreadPoolExecutor(settings.shards, thread_name_prefix="weights-write")
 
     def send(self, step: int, tensors: Mapping[str, Any]) -> str:
-        full, changed = self._changes.select(tensors)
         directory = self.root / f"step-{step}"
-        if directory.exists():  # the same step again (a trainer redoing it): write it anew
+        # the same step again (a trainer redoing it): its directory is written anew, and the
+        # index may have pointed into it for tensors this send would not write: a full set
+        full, changed = self._changes.select(tensors, force_full=directory.exists())
+        if directory.exists():
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
         staged = self._staging(changed)
@@ -234,9 +236,14 @@ class Changes:
         self._seen: dict[str, tuple[int, int]] = {}  # name -> (data_ptr, version)
         self._sends = 0
 
-    def select(self, tensors: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+    def select(self, tensors: Mapping[str, Any], force_full: bool = False) -> tuple[bool, dict[str, Any]]:
         every = self.settings.full_every
-        full = not self.settings.changed_only or not self._seen or bool(every and self._sends % every == 0)
+        full = (
+            force_full
+            or not self.settings.changed_only
+            or not self._seen
+            or bool(every and self._sends % every == 0)
+        )
         changed = {n: t for n, t in tensors.items() if full or self._seen.get(n) != _identity(t)}
         self._seen = {n: _identity(t) for n, t in tensors.items()}
         self._sends += 1

@@ -136,3 +136,22 @@ def test_a_step_sends_only_the_changed_tensors(tmp_path: Path) -> None:
     assert_same_weights(engine, trainer)
     engine.stop()
     sender.close()
+
+
+def test_a_step_sent_again_is_a_full_set(tmp_path: Path) -> None:
+    """A trainer that redoes a step sends it again: its directory is written anew, so the
+    tensors the index had there must be in the new one too, not only what changed since."""
+    directory = save_model(tmp_path / "model", seed=1)
+    trainer = load_model(directory)
+    sender = sender_for(TransportSettings(changed_only=True, full_every=0), str(tmp_path / "w"))
+    sender.send(1, unique_tensors(trainer.state_dict()))
+    train_step(trainer, 2)
+    sender.send(2, unique_tensors(trainer.state_dict()))
+    with torch.no_grad():
+        trainer.model.norm.weight.add_(1.0)
+    again = sender.send(2, unique_tensors(trainer.state_dict()))
+    engine = HFEngine(HFEngineSettings(model=str(directory)))
+    asyncio.run(engine.update_weights(2, again))
+    assert_same_weights(engine, trainer)
+    engine.stop()
+    sender.close()
