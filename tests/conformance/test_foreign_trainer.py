@@ -335,23 +335,31 @@ class ForeignTrainer:
     # --- reading (§11.2) ---------------------------------------------------------------
 
     def _own_pending(self, task: str) -> list[Group]:
-        stream, start, read = self.groups(task), "0", []
+        """§11.2 step 1, once at start: this name's pending groups, read with XPENDING +
+        XRANGE and their idle time reset (XCLAIM JUSTID), which Redis counts as no
+        delivery. A re-read after a restart is not charged against the groups: a trainer
+        killed before its commit, however often, trains the step on them again."""
+        stream, start, out = self.groups(task), "-", []
+        self.r.xgroup_createconsumer(stream, TRAINER, self.me)
         while True:
-            reply = self.r.xreadgroup(TRAINER, self.me, {stream: start}, count=PAGE)
-            entries = reply[0][1] if reply else []
-            read += entries
-            if len(entries) < PAGE:
-                break
-            start = entries[-1][0].decode()
-        out = []
-        if read:
-            rows = self.r.xpending_range(stream, TRAINER, read[0][0], read[-1][0], len(read), self.me)
-            deliveries = {row["message_id"]: int(row["times_delivered"]) for row in rows}
-            for entry_id, fields in read:
-                group = self._accept(task, entry_id.decode(), fields, deliveries.get(entry_id, 1))
+            rows = self.r.xpending_range(stream, TRAINER, start, "+", PAGE, self.me)
+            found = []
+            for row in rows:
+                entry_id = row["message_id"]
+                entry = self.r.xrange(stream, entry_id, entry_id)
+                fields = entry[0][1] if entry else {}  # gone: deleted while pending
+                if fields:
+                    found.append(entry_id)
+                group = self._accept(
+                    task, entry_id.decode(), fields, int(row["times_delivered"]), charge=False
+                )
                 if group is not None:
                     out.append(group)
-        return out
+            if found:
+                self.r.xclaim(stream, TRAINER, self.me, 0, found, justid=True)
+            if len(rows) < PAGE:
+                return out
+            start = "(" + rows[-1]["message_id"].decode()
 
     def _reclaim(self, task: str, count: int) -> list[Group]:
         """Groups a dead trainer consumer left idle for claim_idle_ms, at most twice per
@@ -395,12 +403,15 @@ class ForeignTrainer:
                 out.append(group)
         return out
 
-    def _accept(self, task: str, entry_id: str, fields: dict[bytes, bytes], deliveries: int) -> Group | None:
-        """The decoded group, or None when the entry went to the dead letters (§11.4)."""
+    def _accept(
+        self, task: str, entry_id: str, fields: dict[bytes, bytes], deliveries: int, *, charge: bool = True
+    ) -> Group | None:
+        """The decoded group, or None when the entry went to the dead letters (§11.4).
+        ``charge``: the read counted a delivery (a restart's re-read does not, §11.2)."""
         if not fields:
             self._dead_letter(task, entry_id, {}, "deleted while pending", deliveries)
             return None
-        if deliveries > self.max_attempts:
+        if charge and deliveries > self.max_attempts:
             reason = f"delivered {deliveries} times, more than max_attempts {self.max_attempts}"
             self._dead_letter(task, entry_id, fields, reason, deliveries)
             return None
@@ -825,3 +836,39 @@ def test_a_trainer_written_from_the_stream_format_trains_with_real_producers(
     assert not any(k.startswith(b"producer:") for k in state), "clean stops remove their heartbeats"
     assert client.xpending(f"{base}:groups:math", TRAINER)["pending"] == 0
     client.close()
+
+
+def test_the_page_trainer_restarted_before_its_commit_keeps_its_groups(
+    real_buffer: Any, run_name: str
+) -> None:
+    """§11.2: a restart's re-read of its pending groups is not a delivery. The page's
+    trainer, killed before its commit more often than max_attempts, reads the same groups
+    each time at their real delivery count and dead-letters none (a history XREADGROUP
+    counted one delivery per restart, and the fourth re-read dead-lettered the batch)."""
+    from rollstream.shared import codec
+    from rollstream.shared.records import Prompt
+    from rollstream.shared.runconfig import check_run_settings
+    from tests.helpers import group_for
+
+    buffer = real_buffer(
+        "producer", tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 4}, buffer={"max_attempts": 3}
+    )
+    check_run_settings(buffer.client, buffer.keys, buffer.settings, "test")  # §10: the run's settings
+    buffer.ensure("math")
+    for i in range(4):
+        group = group_for(Prompt(uid=f"q{i}", task="math", prompt=f"What is {i} + 1?"), n=2, step=0)
+        buffer.client.xadd(buffer.keys.groups("math"), codec.encode_group(group))
+    client, stream = buffer.client, buffer.keys.groups("math")
+    options: dict[str, Any] = {"claim_idle_ms": 60_000, "max_attempts": 3}
+    trainer = ForeignTrainer(client, run_name, "trainer-a", **options)
+    read = sorted(g.group_id for g in trainer.read_batch(1, timeout_s=10).groups)
+    assert len(read) == 4
+    for _ in range(options["max_attempts"] + 1):  # killed before its commit, restarted
+        trainer = ForeignTrainer(client, run_name, "trainer-a", **options)
+        assert sorted(g.group_id for g in trainer.recovered["math"]) == read
+        rows = client.xpending_range(stream, TRAINER, "-", "+", 10)
+        assert [int(row["times_delivered"]) for row in rows] == [1] * 4  # no delivery counted
+    record = trainer.read_batch(1, timeout_s=10)
+    assert sorted(g.group_id for g in record.groups) == read
+    assert client.xlen(buffer.keys.dead) == 0
+    trainer.close()
