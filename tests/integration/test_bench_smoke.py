@@ -45,6 +45,7 @@ def test_buffer_pipeline_and_summary_at_smoke_size(tmp_path: Path) -> None:
     bench(tmp_path, "bench/durability.py", "--quick")  # both servers carried every group through
     durability = json.loads((tmp_path / "durability.json").read_text())
     assert durability["ratio_always_vs_everysec"]["n"] == 1
+    assert durability["ratio_wait_vs_no_wait"]["n"] == 1  # WAIT for the replica vs not, one run
 
     bench(tmp_path, "bench/summary.py", "--quick")  # both ways decode; the trainer read every group
     summary = json.loads((tmp_path / "summary.json").read_text())
