@@ -21,7 +21,7 @@ from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import STOP, RunControl
-from rollstream.shared.keys import ARCHIVE, TRAINER
+from rollstream.shared.keys import ARCHIVE, TRAINER, Keys
 from rollstream.shared.records import Prompt
 from tests.conftest import BufferFactory, SettingsFactory
 from tests.helpers import group_for, prompts, require, rollstream, wait_for
@@ -432,3 +432,98 @@ def test_expired_groups_are_archived_whole_with_their_reason(
     assert list(third["response_ids"]) == [2, 3, 4] and third["prompt"] == "What is 1 + 1?"
     assert not (tmp_path / "archive" / "trained").exists()
     assert trainer.client.xlen(trainer.keys.trained("math")) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_through_producer_and_trainer_is_archived_once_while_the_archiver_is_killed(
+    redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
+) -> None:
+    """feed -> `rollstream produce` -> `rollstream train --stop-run` with `rollstream archive`
+    beside them, killed with kill -9 three times and restarted: every group the trainer
+    committed is archived once with its lineage, every filtered, dead or expired one with
+    its reason, and the archive counts what the run's progress counters count."""
+    root = tmp_path / "archive"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    env.update(
+        ROLLSTREAM_REDIS__URL=redis_server.url, ROLLSTREAM_RUN=run_name,
+        ROLLSTREAM_TASKS='[{"name": "math", "n": 4}]', ROLLSTREAM_ROLLOUT__BATCH_SIZE="8",
+        ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION="50", ROLLSTREAM_ENGINES__SIM__MEDIAN_TOKENS="64",
+        ROLLSTREAM_PRODUCER__MAX_TOKENS="128", ROLLSTREAM_ARCHIVE__KEEP="10000",
+        ROLLSTREAM_ARCHIVE__DIR=str(root), ROLLSTREAM_ARCHIVE__FLUSH_S="0.1",
+        ROLLSTREAM_ARCHIVE__READ_COUNT="4",
+    )  # fmt: skip
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        "".join(f'{{"uid": "q{i}", "prompt": "What is {i} + 2?", "answer": "{i + 2}"}}\n' for i in range(300))
+    )
+    fed = subprocess.run(
+        rollstream("feed", str(path), "--task", "math"), env=env, capture_output=True, text=True
+    )
+    assert fed.returncode == 0, fed.stderr[-2000:]
+    steps = 20
+    with (tmp_path / "trainer.err").open("w") as err:
+        trainer = subprocess.Popen(
+            rollstream("train", "--steps", str(steps), "--step-time", "0.3", "--stop-run"),
+            env=env, stdout=err, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    with (tmp_path / "producer.err").open("w") as err:
+        producer = subprocess.Popen(
+            rollstream("produce", "--local-engines"), env=env, stdout=err, stderr=subprocess.STDOUT
+        )
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    try:
+        kills = 0
+        for i in range(3):
+            archiver = ArchiverProcess(env, tmp_path, f"archiver-{i}")
+            files = len(list(root.rglob("*.parquet")))
+            # killed once it has written two more files, mid-way through whatever it does then
+            wait_for(
+                lambda f=files: len(list(root.rglob("*.parquet"))) > f + 1 or trainer.poll() is not None, 120
+            )
+            if trainer.poll() is None:
+                kills += 1
+            archiver.kill()
+            _visible_files_are_whole(root)
+        assert kills >= 2, "the run ended before the archiver was killed mid-run"
+        archiver = ArchiverProcess(env, tmp_path, "archiver-last")
+        assert trainer.wait(timeout=240) == 0, (tmp_path / "trainer.err").read_text()[-3000:]
+        assert producer.wait(timeout=120) == 0, (tmp_path / "producer.err").read_text()[-3000:]
+        # a last archiver started after the run's stop event does not see it: it is stopped
+        # with SIGTERM once it has archived what the run left (it writes what it holds first)
+        wait_for(lambda: client.xlen(keys.trained("math")) == 0, 120)
+        archiver.proc.send_signal(signal.SIGTERM)
+        assert archiver.proc.wait(timeout=60) == 0, archiver.err.read_text()[-3000:]
+    finally:
+        for proc in (trainer, producer):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    progress = {k.decode(): int(float(v)) for k, v in client.hgetall(keys.progress).items()}
+    assert int(client.hget(keys.state, "train_step")) == steps
+    rows = _read(root / "trained")
+    assert rows.groupby(["group_id", "sample_index"]).size().max() == 1
+    assert rows["group_id"].nunique() == progress["math:consumed"] == steps * 8
+    assert set(rows["train_step"]) == set(range(1, steps + 1))
+    assert (rows["staleness"] >= 0).all() and (
+        rows["staleness"] == rows["train_step"] - rows["model_step"] - 1
+    ).all()
+    assert (
+        rows["response_ids"].map(len).eq(rows["response_tokens"]).all()
+        and rows["prompt"].str.startswith("What is").all()
+    )
+    assert rows["logprobs"].map(len).eq(rows["response_tokens"]).all()
+    untrained = _read(root / "untrained") if (root / "untrained").exists() else None
+    counted = {fate: 0 for fate in ("filtered", "dead", "expired")}
+    if untrained is not None:
+        counted.update(untrained.groupby("fate")["entry_id"].nunique().to_dict())
+        assert untrained["reason"].notna().all()
+    assert counted["filtered"] == progress.get("math:filtered", 0) == client.xlen(keys.filtered)
+    assert counted["dead"] == client.xlen(keys.dead)
+    assert counted["expired"] == progress.get("math:expired", 0) + progress.get("math:expired_dropped", 0)
+    assert not list(root.rglob(".part-*"))
+    # what is left in Redis is what the run made and did not train (its stop came first)
+    assert client.xlen(keys.trained("math")) == 0
+    left = {e[1][b"group_id"].decode() for e in client.xrange(keys.groups("math"))}
+    assert not left & set(rows["group_id"])
