@@ -138,6 +138,16 @@ def test_every_rollstream_command_in_deploy_is_one_the_cli_accepts(
     assert not bad, "\n".join(bad)
 
 
+def test_deploy_yaml_is_linted() -> None:
+    require("yamllint", "test", load=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint.yaml"), str(DEPLOY)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_the_command_check_catches_a_flag_the_cli_does_not_have(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["engines", "scale", "4", "--replicas", "2"])
