@@ -454,7 +454,9 @@ class ForeignTrainer:
                     raise Stalled(f"step {step}: {len(batch)} of {quota} {task} groups after {timeout_s} s")
                 self.beat()
                 for group in self._next(task, step, quota - len(batch)):
-                    if step - group.oldest_version - 1 >= self.threshold:
+                    # §11.3: model_step, checked against the tokens when there are any; a group
+                    # without one carries the step its generation started at
+                    if step - group.model_step - 1 >= self.threshold:
                         if self.expire(group):
                             record.expired.append(group.group_id)
                     else:
@@ -871,4 +873,33 @@ def test_the_page_trainer_restarted_before_its_commit_keeps_its_groups(
     record = trainer.read_batch(1, timeout_s=10)
     assert sorted(g.group_id for g in record.groups) == read
     assert client.xlen(buffer.keys.dead) == 0
+    trainer.close()
+
+
+def test_the_page_trainer_takes_an_empty_group_at_its_model_step(real_buffer: Any, run_name: str) -> None:
+    """§5.2 / §11.3: a group with no response token (all its responses empty) carries the
+    model step its generation started at, and that is its staleness; the page's trainer
+    trains it as fresh at the next step (it took it for version -1: expired at every step
+    past the threshold, re-rolled for ever)."""
+    from rollstream.shared import codec
+    from rollstream.shared.records import Group as BundledGroup
+    from rollstream.shared.records import Prompt
+    from rollstream.shared.records import Sample as BundledSample
+    from rollstream.shared.runconfig import check_run_settings
+
+    buffer = real_buffer(
+        "producer", tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 1, "max_staleness": 0}
+    )
+    check_run_settings(buffer.client, buffer.keys, buffer.settings, "test")
+    buffer.ensure("math")
+    empty = [BundledSample([1, 2], [], [], [], finish_reason="stop", reward={"score": 0.0}) for _ in range(2)]
+    prompt = Prompt(uid="q1", task="math", prompt="Say nothing.")
+    group = BundledGroup.for_prompt(prompt, samples=empty, start_step=5)
+    assert group.model_step == 5
+    buffer.client.xadd(buffer.keys.groups("math"), codec.encode_group(group))
+    trainer = ForeignTrainer(buffer.client, run_name, "trainer-a", claim_idle_ms=60_000, max_attempts=3)
+    assert trainer.threshold == 1
+    record = trainer.read_batch(6, timeout_s=10)  # staleness 6 - 5 - 1 = 0: fresh
+    assert [(g.group_id, g.model_step) for g in record.groups] == [("math:q1", 5)]
+    assert record.expired == []
     trainer.close()
