@@ -70,6 +70,7 @@ class StopSignal(threading.Event):
     def __init__(self) -> None:
         super().__init__()
         self.cold = threading.Event()
+        self.signals: list[str] = []  # the signals received, in order
 
 
 def cold_stop(stop: threading.Event) -> threading.Event | None:
@@ -83,14 +84,19 @@ def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
     after ``ray.init``, which installs handlers of its own."""
     stop = stop or StopSignal()
     cold = cold_stop(stop)
+    received = getattr(stop, "signals", None)
 
     def handler(signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
-        if not stop.is_set():
+        # the second *signal* is a cold stop: a stop that the run's stop event began is
+        # still warm when the process manager's SIGTERM follows
+        if received is None or not received:
             log.info("%s received: stopping (a second one stops at once)", name)
         elif cold is not None and not cold.is_set():
             log.warning("%s received again: cold stop, handing back what is in flight now", name)
             cold.set()
+        if received is not None:
+            received.append(name)
         STOPPING.set()  # a process manager stops Redis too: outages are not ridden out now
         stop.set()
 
@@ -186,6 +192,7 @@ def _running(
         if event.type == STOP:
             log.info("run %r stopped (event %s): %s %s stops", settings.run, event.id, role, name)
             process.run_stopped = True
+            STOPPING.set()  # the whole formation stops, Redis with it: outages are not ridden out now
             stop.set()
         elif on_event is not None:
             on_event(event)

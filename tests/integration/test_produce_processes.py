@@ -147,7 +147,7 @@ def test_a_second_sigterm_is_a_cold_stop_that_hands_claims_back(
     # and every claim was handed back: nothing pending, every prompt claimable again
     streams = [keys.prompts("math"), keys.aborted("math")]
     pending = [client.xpending(s, "producers")["pending"] for s in streams if client.exists(s)]
-    assert sum(pending) == 0
+    assert sum(pending) == 0, err[-3000:]
     assert client.xlen(keys.groups("math")) == 0
     left = sum(client.xlen(s) for s in streams)
     assert left == 4
