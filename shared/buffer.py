@@ -42,6 +42,7 @@ from rollstream.shared.keys import (
     Count,
     Keys,
     feeder_cursor_field,
+    feeder_write_field,
     progress_field,
 )
 from rollstream.shared.records import Group, Prompt, Sample, Status
@@ -238,9 +239,15 @@ class ReplayBuffer:
 
     def feed_at_cursor(self, task: str, prompts: Sequence[Prompt], expected: str, new: str) -> int:
         """Append prompts and move the task's feeder cursor from ``expected`` to ``new``
-        in one step; FeederError, with nothing written, when the cursor is elsewhere."""
+        in one step; FeederError, with nothing written, when the cursor is elsewhere. A
+        token of this call, stored with the cursor, makes it safe to send again: the outage
+        retry of a call whose reply was lost finds its own write, not another feeder's."""
         self.ensure(task)
-        args: list[Any] = [feeder_cursor_field(task), expected, new, progress_field(task, Count.FED)]
+        token = os.urandom(8).hex()
+        args: list[Any] = [
+            feeder_cursor_field(task), expected, new, progress_field(task, Count.FED),
+            feeder_write_field(task), token,
+        ]  # fmt: skip
         for p in prompts:
             fields = codec.encode_prompt(p)
             args += [fields["uid"], fields["task"], fields["data"]]

@@ -150,6 +150,13 @@ def feeder_cursor_field(task: str) -> str:
     return f"feeder:{task}:cursor"
 
 
+def feeder_write_field(task: str) -> str:
+    """The token of the feeder's last cursor write in rs:{run}:state and the prompts it
+    appended (``<token> <count>``), e.g. ``feeder:math:write``: a write sent again after
+    its reply was lost is told from another feeder's by it."""
+    return f"feeder:{task}:write"
+
+
 def producer_beat_field(producer: str) -> str:
     """A producer's heartbeat in rs:{run}:state, e.g. ``producer:producer-host-42``."""
     return PRODUCER_BEAT + producer

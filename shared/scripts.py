@@ -389,12 +389,19 @@ return added
 
 # KEYS: prompts stream, state hash, progress hash
 # ARGV: cursor field, expected cursor ('' = none yet), new cursor, progress field,
-#       then (uid, task, data) triples. Fails without writing when the cursor moved.
+#       write field, this call's token, then (uid, task, data) triples. Fails without
+#       writing when the cursor moved, unless this very call moved it: sent again after
+#       its reply was lost, it finds its token in the write field and answers as it did.
 FEED_AT_CURSOR = (
     _CHECK_COUNTER_FN
     + """
 local current = redis.call('HGET', KEYS[2], ARGV[1]) or ''
 if current ~= ARGV[2] then
+  local last = redis.call('HGET', KEYS[2], ARGV[5]) or ''
+  local mine = ARGV[6] .. ' '
+  if current == ARGV[3] and string.sub(last, 1, #mine) == mine then
+    return tonumber(string.sub(last, #mine + 1))
+  end
   return redis.error_reply('CURSOR ' .. current)
 end
 if redis.call('TYPE', KEYS[1]).ok ~= 'stream' and redis.call('EXISTS', KEYS[1]) == 1 then
@@ -402,14 +409,14 @@ if redis.call('TYPE', KEYS[1]).ok ~= 'stream' and redis.call('EXISTS', KEYS[1]) 
 end
 check_counter(KEYS[3], ARGV[4])
 local added = 0
-for i = 5, #ARGV, 3 do
+for i = 7, #ARGV, 3 do
   redis.call('XADD', KEYS[1], '*', 'uid', ARGV[i], 'task', ARGV[i + 1], 'data', ARGV[i + 2],
              'format', '"""
     + FORMAT_VERSION
     + """')
   added = added + 1
 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3], ARGV[5], ARGV[6] .. ' ' .. added)
 if added > 0 then redis.call('HINCRBY', KEYS[3], ARGV[4], added) end
 return added
 """

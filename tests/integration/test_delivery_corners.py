@@ -19,7 +19,7 @@ from rollstream.shared import codec
 from rollstream.shared.buffer import Batch, ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
-from rollstream.shared.errors import FormatError, RedisOutOfMemory
+from rollstream.shared.errors import FeederError, FormatError, RedisOutOfMemory
 from rollstream.shared.keys import GROUPS, PRODUCERS, TRAINER, Count, Keys, progress_field
 from rollstream.shared.settings import load_settings
 from rollstream.shared.streams import SETTLE_RESENDS
@@ -341,3 +341,26 @@ def test_a_lone_producer_takes_back_a_claim_whose_group_crashed(
     assert crashed == ["math:u0"]
     _settled_once(producer.buffer, "math")
     client.close()
+
+
+def test_a_feeder_cursor_write_whose_reply_was_lost_is_not_taken_for_another_feeder(
+    make,
+) -> None:  # type: ignore[no-untyped-def]
+    """The script that appends a feeder's prompts and moves its cursor ran, its reply was
+    lost, and the outage retry sent it again: the retry finds its own write (its token),
+    answers what it appended, and writes nothing twice (it failed with a false 'another
+    feeder running?', and the feeder exited)."""
+    feeder = make("feeder")
+    feeder.ensure("math")
+    lost = _lose_reply_once(feeder.client, lambda r: r == 3)  # the script's reply: 3 appended
+    assert feeder.feed_at_cursor("math", prompts("math", 3), "", "cursor-1") == 3
+    assert lost, "the write's reply was not lost: the test does not test what it says"
+    assert feeder.client.xlen(feeder.keys.prompts("math")) == 3
+    assert counter(feeder, "math", Count.FED) == 3
+    assert feeder.feeder_cursor("math") == "cursor-1"
+    # the next write goes on from there; a second feeder at the old cursor is still refused
+    assert feeder.feed_at_cursor("math", prompts("math", 2, start=3), "cursor-1", "cursor-2") == 2
+    other = make("feeder2")
+    with pytest.raises(FeederError, match="another feeder"):
+        other.feed_at_cursor("math", prompts("math", 2, start=3), "cursor-1", "cursor-2")
+    assert counter(feeder, "math", Count.FED) == 5

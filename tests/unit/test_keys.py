@@ -22,6 +22,7 @@ from rollstream.shared.keys import (
     Count,
     Keys,
     feeder_cursor_field,
+    feeder_write_field,
     producer_beat_field,
     progress_field,
 )
@@ -86,8 +87,9 @@ def test_fields_are_spelled_as_documented() -> None:
     assert f"`{progress_field('{task}', Count.DEAD)}`" in DOC  # `{task}:dead`
     assert producer_beat_field("p1") == "producer:p1"
     assert feeder_cursor_field("math") == "feeder:math:cursor"
+    assert feeder_write_field("math") == "feeder:math:write"
     for field in (MODEL_STEP, TRAIN_STEP, FORMAT, RUN_SETTINGS, RAY_ADDRESS, PAUSED, "producer:{name}",
-                  "feeder:{task}:cursor"):  # fmt: skip
+                  "feeder:{task}:cursor", "feeder:{task}:write"):  # fmt: skip
         assert f"| `{field}` |" in _section(6), field
 
 
