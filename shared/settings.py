@@ -452,29 +452,6 @@ class MetricsSettings(BaseModel):
     host: str = Field(default="0.0.0.0", min_length=1, description="address the metrics server binds")
 
 
-class LogSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    format: Literal["text", "json"] = Field(default="text", description="json: one object per line")
-
-
-# The trainer-side algorithm's names live here, not in consumer/, so that settings validate
-# without torch and shared imports neither side: consumer.advantages and consumer.losses
-# take them from here (consumer/losses.py's docstring says what each choice does).
-AdvantageEstimator: TypeAlias = Literal["grpo", "dr_grpo", "rloo"]
-StdKind: TypeAlias = Literal["unbiased", "population"]
-PolicyLoss: TypeAlias = Literal["pg", "ppo", "decoupled_ppo"]
-ImportanceCorrection: TypeAlias = Literal["none", "tis", "masked_is"]
-Aggregation: TypeAlias = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-
-
-class AlgorithmSettings(BaseModel):
-    """The trainer-side algorithm of a run (``consumer.losses.AlgorithmConfig``): advantage
-    estimator, policy loss, behaviour correction, aggregation and their knobs. The
-    defaults are GRPO advantages with a token-mean policy gradient."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 class ArchiveSettings(BaseModel):
     """The rollout archive (``rollstream archive``, consumer/archive.py): what the trainer
     keeps in Redis for it and how it writes Parquet. The trainer and the archiver of a run
@@ -499,6 +476,29 @@ class ArchiveSettings(BaseModel):
     )
 
 
+class LogSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = Field(default="text", description="json: one object per line")
+
+
+# The trainer-side algorithm's names live here, not in consumer/, so that settings validate
+# without torch and shared imports neither side: consumer.advantages and consumer.losses
+# take them from here (consumer/losses.py's docstring says what each choice does).
+AdvantageEstimator: TypeAlias = Literal["grpo", "dr_grpo", "rloo"]
+StdKind: TypeAlias = Literal["unbiased", "population"]
+PolicyLoss: TypeAlias = Literal["pg", "ppo", "decoupled_ppo"]
+ImportanceCorrection: TypeAlias = Literal["none", "tis", "masked_is"]
+Aggregation: TypeAlias = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+class AlgorithmSettings(BaseModel):
+    """The trainer-side algorithm of a run (``consumer.losses.AlgorithmConfig``): advantage
+    estimator, policy loss, behaviour correction, aggregation and their knobs. The
+    defaults are GRPO advantages with a token-mean policy gradient."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     advantage: AdvantageEstimator = "grpo"
     adv_std: StdKind = Field(default="unbiased", description="grpo: the std's divisor, n - 1 or n")
@@ -570,6 +570,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
     weights: TransportSettings = Field(default_factory=TransportSettings)
+    archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
 
     @field_validator("tasks")
     @classmethod
@@ -593,7 +594,6 @@ class Settings(BaseSettings):
     def settings_customise_sources(
         cls,
         settings_cls: type[BaseSettings],
-    archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
         init_settings: PydanticBaseSettingsSource,
         env_settings: PydanticBaseSettingsSource,
         dotenv_settings: PydanticBaseSettingsSource,
