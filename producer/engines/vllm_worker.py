@@ -66,17 +66,28 @@ def tied_weights(files: list[Path], ties: bool) -> Iterator[tuple[str, Any]]:
 
 
 def published_weights(path: str, ties: bool) -> Iterator[tuple[str, Any]]:
-    """The weights a trainer published at ``path``: through its Hugging Face index when it
-    has one (the file transport's: a step that changed only some tensors points into
+    """The weights a trainer published at ``path`` (a directory, or another transport's
+    URI, shared/transports.py): through a directory's Hugging Face index when it has
+    one (the file transport's: a step that changed only some tensors points into
     earlier steps' directories for the rest, so the files of this directory alone are
     not the model), else every ``*.safetensors`` in it; the embeddings again as
     ``lm_head.weight`` as ``tied_weights`` does."""
-    if not (Path(path) / "model.safetensors.index.json").is_file():
-        yield from tied_weights(checkpoint_files(path), ties)
-        return
-    from rollstream.shared.transports import receive_file
+    from urllib.parse import unquote, urlsplit
 
-    tensors = dict(receive_file(path, {}))
+    parts = urlsplit(path)
+    if parts.scheme == "file":
+        path = unquote(parts.path)
+    elif parts.scheme:  # another transport (collective://; ray:// needs Ray in this process)
+        from rollstream.shared.transports import receive
+
+        tensors = dict(receive(path, {}))
+    if parts.scheme in ("", "file"):
+        if not (Path(path) / "model.safetensors.index.json").is_file():
+            yield from tied_weights(checkpoint_files(path), ties)
+            return
+        from rollstream.shared.transports import receive_file
+
+        tensors = dict(receive_file(path, {}))
     yield from tensors.items()
     embeddings = [n for n in tensors if n.endswith(EMBEDDINGS_SUFFIX)]
     if ties and LM_HEAD not in tensors and len(embeddings) == 1:

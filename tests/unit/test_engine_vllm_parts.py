@@ -120,6 +120,24 @@ def test_published_weights_follow_the_index_into_earlier_steps(tmp_path: Path) -
     sender.close()
 
 
+def test_published_weights_come_over_the_collective_transport_too() -> None:
+    torch = require("torch", "hf")
+    from rollstream.producer.engines.vllm_worker import published_weights
+    from rollstream.shared.transports import TransportSettings, sender_for
+
+    tensors = {
+        "model.embed_tokens.weight": torch.arange(6.0).reshape(3, 2),
+        "model.norm.weight": torch.ones(2),
+    }
+    sender = sender_for(TransportSettings(kind="collective"), "")
+    try:
+        fed = dict(published_weights(sender.send(1, tensors), ties=True))
+    finally:
+        sender.close()
+    assert set(fed) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert all(torch.equal(fed[k], v) for k, v in tensors.items())
+
+
 def test_a_weights_directory_without_safetensors_is_named(tmp_path: Path) -> None:
     from rollstream.producer.engines.vllm_worker import checkpoint_files
 
