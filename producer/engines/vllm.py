@@ -218,7 +218,7 @@ class VLLMEngine:
         held meanwhile (a pause of our own unless the engine is already paused), so no
         token is sampled by the new weights under the old label."""
         await self._ensure_ready()
-        if path is not None:
+        if path is not None and "://" not in path:  # a directory (a transport's URI: its own errors)
             try:
                 from rollstream.producer.engines.vllm_worker import checkpoint_files
 
