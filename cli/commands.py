@@ -711,7 +711,9 @@ def judge(settings: Settings, *, stop: threading.Event, burst: bool = False) -> 
     from rq.serializers import JSONSerializer
 
     from rollstream.producer.judges.rq import JUDGE_QUEUE, JudgeWorker
+    from rollstream.shared.connection import refuse_on_cluster
 
+    refuse_on_cluster(settings.redis, "the rq judge worker")  # rq's keys share no hash tag
     with running(settings, Role.JUDGE, stop, queue=JUDGE_QUEUE) as process:
         if process is None:
             return 0

@@ -39,6 +39,7 @@ from rollstream.producer.pool import BasePool
 from rollstream.producer.tokenizer import make_tokenizer
 from rollstream.shared.allocation import allocate_batch_sizes, over_sample_budget
 from rollstream.shared.buffer import Claim, ReplayBuffer, default_consumer_name
+from rollstream.shared.connection import refuse_on_cluster
 from rollstream.shared.errors import CorruptValueError, RollstreamError, SettingsError
 from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import EVALS
@@ -119,6 +120,8 @@ class Producer:
         self.control = RunControl(client, self.buffer.keys)
         self.pool = pool
         p = settings.producer
+        if p.judge_on_queue:  # rq's keys share no hash tag: its MULTIs cross slots
+            refuse_on_cluster(settings.redis, "the rq judge queue (producer.judge_on_queue)")
         rq_judge = RQJudge(client, p.judge, p.judge_timeout_s, settings.buffer.max_attempts - 1)
         agent_config = AgentConfig.from_settings(p, settings.rollout.on_weight_sync)
         self.runner = GroupRunner(

@@ -26,10 +26,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
@@ -132,9 +133,7 @@ def _client(settings: RedisSettings, retry: Retry | None) -> redis.Redis:
     if redisurl.scheme_of(settings.url) == redisurl.SENTINEL:
         return _sentinel_client(redisurl.parse(settings.url), options)
     if redisurl.scheme_of(settings.url) == redisurl.CLUSTER:
-        raise SettingsError(
-            f"invalid setting redis.url ({ENV_PREFIX}REDIS__URL): redis+cluster:// is not supported yet"
-        )
+        return _cluster_client(redisurl.parse(settings.url), options)
     return redis.Redis.from_url(settings.url, **options)
 
 
@@ -171,6 +170,47 @@ def _sentinel_client(target: redisurl.MultiHostUrl, options: dict[str, Any]) -> 
         **options,
     )
     return client
+
+
+def _cluster_client(target: redisurl.MultiHostUrl, options: dict[str, Any]) -> redis.Redis:
+    """A Redis Cluster client: each command goes to the master of its key's slot. Every key
+    of a run shares the ``{run}`` hash tag, so a run lives on one master and its scripts,
+    transactions and multi-stream reads are legal there."""
+    nodes = [ClusterNode(host, port) for host, port in target.hosts]  # type: ignore[no-untyped-call]
+    client = RedisCluster(
+        startup_nodes=nodes,
+        username=target.username,
+        password=target.password,
+        socket_timeout=options["socket_timeout"],
+        socket_connect_timeout=options["socket_connect_timeout"],
+        health_check_interval=options["health_check_interval"],
+        retry=options["retry"],
+    )
+    return cast(redis.Redis, client)
+
+
+def refuse_on_cluster(settings: RedisSettings, what: str) -> None:
+    """SettingsError when redis.url is a Redis Cluster and ``what`` cannot run there."""
+    if redisurl.scheme_of(settings.url) == redisurl.CLUSTER:
+        raise SettingsError(
+            f"invalid setting redis.url ({ENV_PREFIX}REDIS__URL): {redact_url(settings.url)} is a Redis "
+            f"Cluster, where {what} does not run"
+        )
+
+
+def server_for(client: redis.Redis, key: str) -> redis.Redis:
+    """A client of the one server that holds ``key``: the client itself, or in a Redis
+    Cluster a client of the master of the key's slot (for what must go over one
+    connection to it: a WATCH ... EXEC round trip, a write and the WAIT behind it)."""
+    if isinstance(client, RedisCluster):
+        node = client.get_node_from_key(key)
+        return node.redis_connection or client.get_redis_connection(node)
+    return client
+
+
+def pool_for(client: redis.Redis, key: str) -> redis.ConnectionPool:
+    """The connection pool of the server that holds ``key`` (see :func:`server_for`)."""
+    return server_for(client, key).connection_pool
 
 
 def check_server(client: redis.Redis, url: str) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 
+from rollstream.shared.connection import server_for
 from rollstream.shared.errors import ReplicasBehind
 from rollstream.shared.keys import REPLICATED, TRAIN_STEP, Keys
 from rollstream.shared.settings import RedisSettings, redact_url
@@ -53,8 +54,9 @@ def wait_for_replicas(
     shown = redact_url(settings.url)
     started = time.monotonic()
     warned = False
+    server = server_for(client, keys.state)  # in a Redis Cluster: the run's master
     while True:
-        pipe = client.pipeline(transaction=False)
+        pipe = server.pipeline(transaction=False)
         pipe.eval(_BARRIER, 1, keys.state, TRAIN_STEP, committed_step, REPLICATED)
         pipe.execute_command("WAIT", wanted, settings.wait_timeout_ms)  # type: ignore[no-untyped-call]
         replies: list[Any] = pipe.execute()

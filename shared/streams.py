@@ -39,6 +39,7 @@ from typing import Any
 import redis
 
 from rollstream.shared import codec
+from rollstream.shared.connection import pool_for
 from rollstream.shared.errors import CorruptValueError, RedisOutOfMemory, ReplayBufferError
 from rollstream.shared.keys import GROUP_OF_KIND, Keys
 from rollstream.shared.records import MAX_STEP
@@ -327,8 +328,9 @@ class ConsumerStreams:
     def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send commands on one connection, written straight into one reusable buffer
         (shared/resp.py), and read every reply; error replies come back as exceptions
-        in place."""
-        pool = self.client.connection_pool
+        in place. In a Redis Cluster, on the master of the run's slot (every key of a run
+        shares its hash tag)."""
+        pool = pool_for(self.client, self.keys.state)
         conn = pool.get_connection()
         try:
             writer = getattr(self._local, "writer", None)

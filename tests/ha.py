@@ -211,3 +211,69 @@ class SentinelSet:
         for node in [*self.sentinels, *self.data]:
             node.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class Cluster:
+    """A Redis Cluster of ``masters`` masters (no replicas) on free ports."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self.binary = find_redis_server()
+        self._dir = tempfile.mkdtemp(prefix="rollstream-cluster-")
+        args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            "2000",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        self.nodes = [Node(self.binary, Path(self._dir) / f"node{i}", args) for i in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:2])
+
+    def start(self) -> Cluster:
+        for node in self.nodes:
+            node.args = [*node.args, "--cluster-config-file", str(node.folder / "nodes.conf"),
+                         "--cluster-port", str(free_port())]  # fmt: skip
+            node.start()
+        cli = shutil.which("redis-cli", path=str(Path(self.binary).parent)) or shutil.which("redis-cli")
+        assert cli, "redis-cli is needed to create a cluster"
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        wait_for(self._ok, timeout=30)
+        return self
+
+    def _ok(self) -> bool:
+        for node in self.nodes:
+            client = node.client()
+            try:
+                if b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                    return False
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+        return True
+
+    def node_of(self, key: str) -> Node:
+        """The master that serves ``key``'s slot."""
+        client = self.nodes[0].client()
+        try:
+            slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
+            for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                if int(start) <= slot <= int(end):
+                    return next(n for n in self.nodes if n.port == int(master[1]))
+        finally:
+            client.close()
+        raise AssertionError(f"no master serves {key}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
