@@ -396,7 +396,14 @@ def engines(
             return 0
         beat = Heartbeat(process.liveness, detail).start()
         try:
+            next_autoscale = time.monotonic() + AUTOSCALE_S
             while not stop.wait(SCALE_POLL_S):  # follow `rollstream engines scale`
+                if time.monotonic() >= next_autoscale:
+                    next_autoscale = time.monotonic() + AUTOSCALE_S
+                    try:
+                        autoscale_step(settings, pool[0], count, process.client)
+                    except (redis.RedisError, CorruptValueError) as exc:
+                        log.warning("engines: autoscale skipped: %s", exc)
                 with contextlib.suppress(redis.RedisError):
                     wanted = count.wanted()
                     if wanted is not None and wanted != len(pool[0].handles):
@@ -425,6 +432,7 @@ def engines(
 SCALE_POLL_S = 1.0  # how often the engines process and producers look at the run's engine counts
 DRAIN_S = 120.0  # the longest a scaled-in engine has to finish its groups before it is removed
 SILENT_WARNING_S = 10.0  # an engine that does not answer this long is warned about, once
+AUTOSCALE_S = 30.0  # how often the engines process applies the run's autoscale rule
 
 
 def with_engine_count(settings: Settings, count: int) -> Settings:
@@ -528,17 +536,64 @@ def scale_engines(
         log.info("engines: %d engines serving", target)
 
 
-def engines_scale(settings: Settings, target: int, *, wait: bool, stop: threading.Event) -> int:
+def autoscale_step(settings: Settings, pool: Any, count: EngineCount, client: redis.Redis) -> int | None:
+    """One look of the run's autoscale rule (`rollstream engines scale --min A --max B`):
+    one engine more while the engines are busy and work waits for producers, one fewer
+    while they idle (shared/scaling.py ``autoscale_target``); asks for it as `engines
+    scale` does. Returns the count it wants, None without a rule."""
+    import statistics
+
+    from rollstream.shared.keys import ABORTED, EVALS, EXPIRED, PROMPTS
+    from rollstream.shared.scaling import autoscale_target
+
+    rule = count.autoscale()
+    if rule is None:
+        return None
+    healths = [h for h in pool.probe(timeout_s=2.0) if h is not None]
+    busy = statistics.fmean(h.busy_fraction for h in healths) if healths else None
+    status = run_status(client, Keys(settings.run))
+    lag = sum(s.lag for s in status.streams if s.kind in (PROMPTS, ABORTED, EXPIRED, EVALS))
+    current = len(pool.handles)
+    target = autoscale_target(current, rule[0], rule[1], busy, lag)
+    if target != current:
+        log.info("engines: autoscale (min %d, max %d): busy %s, %d prompts waiting: %d -> %d engines",
+                 rule[0], rule[1], "-" if busy is None else f"{busy:.2f}", lag, current, target)  # fmt: skip
+        count.want(target)
+    return target
+
+
+def engines_scale(
+    settings: Settings,
+    target: int | None,
+    *,
+    wait: bool,
+    stop: threading.Event,
+    autoscale: tuple[int, int] | None = None,
+) -> int:
     """`rollstream engines scale N`: ask the run's engines process for N engines (through
-    the state hash), and with ``wait`` wait until it serves them; without an engines
-    process (detached engines) scale here."""
+    the state hash; an autoscale rule is dropped: the operator's count wins), and with
+    ``wait`` wait until it serves them; without an engines process (detached engines)
+    scale here. `rollstream engines scale --min A --max B` sets the autoscale rule the
+    engines process follows instead."""
     from rollstream.producer.pool import EnginePool, PoolError, init_ray
 
     client = connect(settings.redis)
     keys = Keys(settings.run)
     count = EngineCount(client, keys)
+    engines_process = any(beat.role == Role.ENGINES for beat in live_processes(client, keys))
+    if autoscale is not None:
+        count.set_autoscale(*autoscale)
+        print(
+            f"run {settings.run!r}: engines autoscale between {autoscale[0]} and {autoscale[1]}", flush=True
+        )
+        if not engines_process:
+            log.warning("no engines process of run %r is running: the rule applies once `rollstream engines "
+                        "--foreground` runs", settings.run)  # fmt: skip
+        return 0
+    assert target is not None
+    count.clear_autoscale()
     count.want(target)
-    if any(beat.role == Role.ENGINES for beat in live_processes(client, keys)):
+    if engines_process:
         print(f"run {settings.run!r}: asked the engines process for {target} engines", flush=True)
         if not wait:
             return 0

@@ -138,10 +138,23 @@ def cmd_redis(args: argparse.Namespace) -> int:
 def cmd_engines(args: argparse.Namespace) -> int:
     from rollstream.cli.commands import engines, engines_scale
 
-    if args.action == "scale" or args.count is not None:
-        if args.action != "scale" or args.count is None or args.foreground or args.stop:
-            raise InputError("usage: rollstream engines scale N [--wait] (N: the number of engines, >= 1)")
-        return engines_scale(_settings(args), args.count, wait=args.wait, stop=stop_on_signals())
+    if args.action == "scale" or args.count is not None or args.min is not None or args.max is not None:
+        rule = (args.min, args.max) if args.min is not None or args.max is not None else None
+        if (
+            args.action != "scale"
+            or (args.count is None) == (rule is None)
+            or (rule is not None and (None in rule or args.min > args.max or args.wait))
+            or args.foreground
+            or args.stop
+        ):
+            raise InputError(
+                "usage: rollstream engines scale N [--wait] (N: the number of engines, >= 1), or "
+                "rollstream engines scale --min A --max B (autoscale, 1 <= A <= B)"
+            )
+        autoscale = (args.min, args.max) if rule is not None else None
+        return engines_scale(
+            _settings(args), args.count, wait=args.wait, stop=stop_on_signals(), autoscale=autoscale
+        )
     return engines(
         _settings(args),
         address=args.address,
@@ -385,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("count", nargs="?", type=_at_least(1), help="scale: the number of engines")
     p.add_argument("--wait", action="store_true", help="scale: wait until the engines process serves N")
+    p.add_argument("--min", type=_at_least(1), help="scale: autoscale, at least this many engines")
+    p.add_argument("--max", type=_at_least(1), help="scale: autoscale, at most this many engines")
     p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("produce", help="claim prompts, generate groups on the engines, judge, append")

@@ -5,6 +5,8 @@
     engines          the count of engine actors serving, indices 0 .. N-1: written by
                      the engines process once new engines answer, and at once, before
                      they are drained, when engines go; producers follow it
+    engines_autoscale  JSON {"min": A, "max": B}: `rollstream engines scale --min A --max B`;
+                     the engines process then sets engines_wanted itself (autoscale_target)
 
 Producers send work only to engines below ``engines``: one above it is being drained
 and removed, or not up yet.
@@ -12,6 +14,7 @@ and removed, or not up yet.
 
 from __future__ import annotations
 
+import orjson
 import redis
 
 from rollstream.shared.errors import CorruptValueError
@@ -20,7 +23,24 @@ from rollstream.shared.streams import text
 
 ENGINES_WANTED = "engines_wanted"
 ENGINES_SERVING = "engines"
+ENGINES_AUTOSCALE = "engines_autoscale"
 MAX_ENGINES = 4096  # as engines.count
+# the autoscale rule: one engine more while the engines are this busy and work waits for
+# producers; one fewer while they are this idle
+BUSY_HIGH = 0.8
+BUSY_LOW = 0.3
+
+
+def autoscale_target(current: int, low: int, high: int, busy: float | None, lag: int) -> int:
+    """The engine count the autoscale rule wants: ``current`` one step towards what
+    ``busy`` (the engines' mean busy fraction, None when none answered) and ``lag``
+    (entries waiting for producers in the run's pools) ask for, within ``low`` .. ``high``."""
+    target = current
+    if busy is not None and busy >= BUSY_HIGH and lag > 0:
+        target = current + 1
+    elif busy is not None and busy <= BUSY_LOW:
+        target = current - 1
+    return max(low, min(high, target))
 
 
 class EngineCount:
@@ -40,6 +60,29 @@ class EngineCount:
         if not 1 <= count <= MAX_ENGINES:
             raise ValueError(f"an engine count is 1 to {MAX_ENGINES}, not {count}")
         self.client.hset(self.keys.state, ENGINES_WANTED, count)
+
+    def autoscale(self) -> tuple[int, int] | None:
+        """The autoscale rule (min, max), or None."""
+        raw = self.client.hget(self.keys.state, ENGINES_AUTOSCALE)
+        if raw is None:
+            return None
+        try:
+            rule = orjson.loads(raw)
+            low, high = int(rule["min"]), int(rule["max"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise CorruptValueError(
+                self.keys.state, ENGINES_AUTOSCALE, text(raw), '{"min": A, "max": B}; repair it with '
+                "`rollstream engines scale --min A --max B`"
+            ) from None  # fmt: skip
+        return low, high
+
+    def set_autoscale(self, low: int, high: int) -> None:
+        if not 1 <= low <= high <= MAX_ENGINES:
+            raise ValueError(f"autoscale needs 1 <= min <= max <= {MAX_ENGINES}, not min {low}, max {high}")
+        self.client.hset(self.keys.state, ENGINES_AUTOSCALE, orjson.dumps({"min": low, "max": high}))
+
+    def clear_autoscale(self) -> None:
+        self.client.hdel(self.keys.state, ENGINES_AUTOSCALE)
 
     def set_serving(self, count: int) -> None:
         self.client.hset(self.keys.state, ENGINES_SERVING, count)

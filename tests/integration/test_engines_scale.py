@@ -32,8 +32,10 @@ def test_scale_without_an_engines_process_scales_the_detached_engines(
     EnginePool.start(settings)  # detached, as `rollstream engines` leaves them
     RunControl(client, keys).set_ray_address(str(ray.get_runtime_context().gcs_address))
     count = EngineCount(client, keys)
+    count.set_autoscale(1, 4)
     try:
         assert engines_scale(settings, 3, wait=False, stop=threading.Event()) == 0
+        assert count.autoscale() is None  # the operator's count wins over an autoscale rule
         assert engine_indices(settings.run) == {0, 1, 2}
         assert (count.wanted(), count.serving()) == (3, 3)
         handle = ray.get_actor(actor_name(settings.run, 2), namespace=namespace(settings.run))
@@ -69,3 +71,19 @@ def test_scale_needs_a_count(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["engines", "scale"]) == 2
     assert "usage: rollstream engines scale N" in capsys.readouterr().err
+
+
+def test_scale_min_max_sets_the_autoscale_rule(
+    redis_server: EmbeddedRedis, run_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollstream.cli.main import main
+
+    common = ["--redis-url", redis_server.url, "--run", run_name, "engines", "scale"]
+    assert main([*common, "--min", "2", "--max", "8"]) == 0
+    assert "autoscale between 2 and 8" in capsys.readouterr().out
+    client = redis.Redis.from_url(redis_server.url)
+    assert EngineCount(client, Keys(run_name)).autoscale() == (2, 8)
+    client.close()
+    for bad in (["--min", "3"], ["--min", "5", "--max", "2"], ["4", "--min", "1", "--max", "2"]):
+        assert main([*common, *bad]) == 2, bad
+        assert "engines scale --min A --max B" in capsys.readouterr().err

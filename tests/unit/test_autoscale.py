@@ -1,0 +1,83 @@
+"""The engines' autoscale rule (`rollstream engines scale --min A --max B`): one engine
+more while the engines are busy and prompts wait for producers, one fewer while they
+idle, within the bounds; the engines process applies it by asking for the count as
+`engines scale N` does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from rollstream.cli.commands import autoscale_step
+from rollstream.producer.engines.base import EngineHealth
+from rollstream.shared.errors import CorruptValueError
+from rollstream.shared.keys import Keys
+from rollstream.shared.scaling import ENGINES_AUTOSCALE, EngineCount, autoscale_target
+from tests.conftest import BufferFactory
+from tests.helpers import prompts
+
+
+@pytest.mark.parametrize(
+    ("current", "busy", "lag", "target"),
+    [
+        (2, 0.9, 10, 3),  # busy, and work waits: one more
+        (2, 0.9, 0, 2),  # busy, nothing waits: the producers are not short of engines
+        (4, 0.9, 10, 4),  # at the maximum
+        (2, 0.5, 10, 2),  # neither busy nor idle
+        (3, 0.1, 10, 2),  # idle: one fewer
+        (1, 0.1, 0, 1),  # at the minimum
+        (3, None, 10, 3),  # no engine answered: no change
+        (9, 0.5, 0, 4),  # outside the bounds (the rule was narrowed): into them
+    ],
+)
+def test_autoscale_target(current: int, busy: float | None, lag: int, target: int) -> None:
+    assert autoscale_target(current, 1, 4, busy, lag) == target
+
+
+def test_the_rule_is_kept_in_the_state_hash(fake_client: redis.Redis) -> None:
+    count = EngineCount(fake_client, Keys("r"))
+    assert count.autoscale() is None
+    count.set_autoscale(2, 8)
+    assert count.autoscale() == (2, 8)
+    count.clear_autoscale()
+    assert count.autoscale() is None
+    with pytest.raises(ValueError, match="min <= max"):
+        count.set_autoscale(5, 3)
+    fake_client.hset(Keys("r").state, ENGINES_AUTOSCALE, "lots")
+    with pytest.raises(CorruptValueError, match="engines scale --min A --max B"):
+        count.autoscale()
+
+
+class Pool:
+    def __init__(self, busy: list[float | None]) -> None:
+        self.handles: list[Any] = [object() for _ in busy]
+        self.busy = busy
+
+    def probe(self, timeout_s: float) -> list[EngineHealth | None]:
+        return [
+            None if b is None else EngineHealth(True, 0, False, 1, 1, 0, busy_fraction=b) for b in self.busy
+        ]
+
+
+def test_the_engines_process_asks_for_one_engine_more_while_busy_with_prompts_waiting(
+    fake_buffer: BufferFactory, fake_client: redis.Redis
+) -> None:
+    buffer = fake_buffer()
+    settings = buffer.settings
+    keys = Keys(settings.run)
+    count = EngineCount(fake_client, keys)
+    assert autoscale_step(settings, Pool([0.9, 0.95]), count, fake_client) is None  # no rule: nothing
+    assert count.wanted() is None
+
+    count.set_autoscale(1, 3)
+    # busy, but nothing waits for producers: no change
+    assert autoscale_step(settings, Pool([0.9, 0.95]), count, fake_client) == 2
+    assert count.wanted() is None
+    buffer.feed(prompts("math", 5))
+    assert autoscale_step(settings, Pool([0.9, 0.95]), count, fake_client) == 3
+    assert count.wanted() == 3
+    # engines that idle (one not answering): one fewer
+    assert autoscale_step(settings, Pool([0.1, None, 0.2]), count, fake_client) == 2
+    assert count.wanted() == 2
