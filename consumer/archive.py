@@ -42,7 +42,7 @@ import redis
 
 from rollstream.shared import codec, telemetry
 from rollstream.shared.errors import DecodeError, FormatError, SettingsError
-from rollstream.shared.keys import ARCHIVE, Keys
+from rollstream.shared.keys import ARCHIVE, Count, Keys, progress_field
 from rollstream.shared.records import Group, Prompt
 from rollstream.shared.scripts import DEAD_HEADER, Scripts
 from rollstream.shared.settings import Settings
@@ -246,6 +246,9 @@ class Source:
     held: list[Read] = field(default_factory=list)
     size: int = 0
     since: float = 0.0  # monotonic time of the oldest held entry
+    task: str = ""  # a trained log's task
+    taken: int = 0  # entries read, for the lag check
+    consumed: int | None = None  # the task's consumed count at the last lag check
 
 
 class Archiver:
@@ -264,7 +267,9 @@ class Archiver:
         self.scripts = Scripts(client)
         self.sources = [
             *(
-                Source(SOURCE_TRAINED, self.keys.trained(t.name), TRAINED, self.keys.groups(t.name))
+                Source(
+                    SOURCE_TRAINED, self.keys.trained(t.name), TRAINED, self.keys.groups(t.name), task=t.name
+                )
                 for t in settings.tasks
             ),
             Source(SOURCE_DEAD, self.keys.dead, UNTRAINED),
@@ -326,6 +331,7 @@ class Archiver:
         """Entries read from ``source``; a trained log's name groups, read here at once from
         the groups stream (where the archiver alone deletes them, but for the log's cap)."""
         groups: list[Any] = []
+        source.taken += len(entries)
         if source.kind == SOURCE_TRAINED:
             pipe = self.client.pipeline(transaction=False)
             for _, fields in entries:
@@ -594,10 +600,21 @@ class Archiver:
         pipe = self.client.pipeline(transaction=False)
         for source in logs:
             pipe.xlen(source.key)
-        lengths = [int(n) for n in pipe.execute()]
+            pipe.hget(self.keys.progress, progress_field(source.task, Count.CONSUMED))
+        replies = pipe.execute()
+        lengths = [int(n) for n in replies[::2]]
         telemetry.archive_lag(sum(lengths))
         keep = self.archive.keep
-        for source, length in zip(logs, lengths, strict=True):
+        for source, length, raw in zip(logs, lengths, replies[1::2], strict=True):
+            consumed = int(raw or 0)
+            if source.consumed is not None and consumed > source.consumed and not source.taken and not length:
+                log.warning(
+                    "archive: the trainer committed %d groups of task %s that did not come to the trained "
+                    "log %s: it runs without an archive (archive.keep 0); set ROLLSTREAM_ARCHIVE__KEEP for "
+                    "the trainer too",
+                    consumed - source.consumed, source.task, source.key,
+                )  # fmt: skip
+            source.consumed, source.taken = consumed, 0
             if keep and length >= self.archive.warn_at * keep and now - self._lag_warned >= 60:
                 self._lag_warned = now
                 log.warning(

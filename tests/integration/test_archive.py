@@ -22,7 +22,7 @@ from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import STOP, RunControl
 from rollstream.shared.keys import ARCHIVE, TRAINER, Keys
-from rollstream.shared.records import Prompt
+from rollstream.shared.records import MODEL, TOOL, Group, Prompt, Sample, Turn
 from tests.conftest import BufferFactory, SettingsFactory
 from tests.helpers import group_for, prompts, require, rollstream, wait_for
 
@@ -527,3 +527,56 @@ def test_a_run_through_producer_and_trainer_is_archived_once_while_the_archiver_
     assert client.xlen(keys.trained("math")) == 0
     left = {e[1][b"group_id"].decode() for e in client.xrange(keys.groups("math"))}
     assert not left & set(rows["group_id"])
+
+
+def test_an_agent_trajectory_keeps_its_loss_mask_and_turns(
+    real_buffer: BufferFactory, tmp_path: Path
+) -> None:
+    settings = _archive_settings(tmp_path)
+    producer = real_buffer("p1", **settings)
+    trainer = real_buffer("trainer", **settings)
+    producer.feed(prompts("math", 1))
+    (claim,) = producer.claim("math", 1)
+    turns = [Turn(MODEL, 3, text="call add(2, 3)"), Turn(TOOL, 2, text="5", status="ok", name="add"),
+             Turn(MODEL, 1, text="5", reward=1.0)]  # fmt: skip
+    samples = [
+        Sample([1, 2], [7, 8, 9, 5, 5, 10], [-0.1] * 6, [0] * 6, finish_reason="stop", reward={"score": 1.0},
+               text="5", loss_mask=[1, 1, 1, 0, 0, 1], turns=turns, agent_status="done")
+        for _ in range(4)
+    ]  # fmt: skip
+    producer.complete(claim, Group.for_prompt(claim.prompt, samples=samples))
+    assert trainer.commit(trainer.read_batch("math", 1), 1) == []
+    archiver = Archiver(trainer.client, trainer.settings)
+    archiver.ensure()
+    archiver.step(0)
+    archiver.flush()
+    row = _read(tmp_path / "archive" / "trained").iloc[0]
+    assert list(row["loss_mask"]) == [1, 1, 1, 0, 0, 1] and row["agent_status"] == "done"
+    assert orjson.loads(row["turns"])[1] == {
+        "role": "tool",
+        "len": 2,
+        "text": "5",
+        "status": "ok",
+        "name": "add",
+    }
+    assert row["format"] == "1.1"
+
+
+def test_an_archiver_beside_a_trainer_without_an_archive_says_so(
+    real_buffer: BufferFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollstream.consumer import archive as module
+
+    monkeypatch.setattr(module, "LAG_CHECK_S", 0.0)
+    producer = real_buffer("p1")
+    trainer = real_buffer("trainer")  # archive.keep 0: no trained log
+    archiver = Archiver(trainer.client, real_buffer("a", **_archive_settings(tmp_path)).settings)
+    archiver.ensure()
+    archiver.step(0)  # the first look: nothing to compare yet
+    _produce_and_train(producer, trainer, "math", 2, step=1)
+    archiver.step(0)
+    assert "committed 2 groups of task math that did not come to the trained log" in caplog.text
+    assert "ROLLSTREAM_ARCHIVE__KEEP for the trainer too" in caplog.text
