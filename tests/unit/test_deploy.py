@@ -243,3 +243,20 @@ def test_the_custom_objects_hold_together() -> None:
     assert trigger["metadata"]["stream"] == Keys(settings["ROLLSTREAM_RUN"]).prompts(tasks[0]["name"])
     assert trigger["metadata"]["consumerGroup"] == "producers"
     assert ("TriggerAuthentication", trigger["authenticationRef"]["name"]) in objects
+
+
+def test_a_lost_run_is_never_restarted() -> None:
+    """Exit 5 (the run is lost) is final under every supervisor deploy/ configures (README,
+    the exit statuses); other failures are restarted."""
+    units = [p for p in (DEPLOY / "systemd").glob("*.service") if "bin/rollstream " in p.read_text()]
+    assert len(units) >= 6
+    for unit in units:
+        lines = unit.read_text().splitlines()
+        assert "Restart=on-failure" in lines, unit.name
+        prevent = [
+            line.split("=", 1)[1].split() for line in lines if line.startswith("RestartPreventExitStatus=")
+        ]
+        assert prevent and "5" in prevent[0], unit.name
+    (job,) = documents(DEPLOY / "k8s" / "trainer-job.yaml")
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert any(r["action"] == "FailJob" and 5 in r["onExitCodes"]["values"] for r in rules)
