@@ -30,8 +30,9 @@ from rollstream.shared.scaling import EngineCount
 from tests.helpers import rollstream, wait_for
 from tests.raycluster import RayCluster
 
-# the cluster's start counts in the first test's time, and each run takes a minute or two
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# the cluster's start counts in the first test's time, and each run takes a minute or two:
+# three Ray nodes and a run's processes, heavy on a small machine (`make test-all`, CI)
+pytestmark = [pytest.mark.integration, pytest.mark.heavy, pytest.mark.timeout(600)]
 
 WORKERS = ("worker1", "worker2")
 
