@@ -61,20 +61,22 @@ def probe_prompts(model_dir: str, count: int = 2, length: int = 8) -> list[list[
 
 
 def hf_model(model_dir: str, weights: str | None = None) -> Any:
-    """The model of ``model_dir`` in float32 on the CPU, with the safetensors of
-    ``weights`` (a trainer's published directory) loaded over it."""
+    """The model of ``model_dir`` in float32 on the CPU, with the weights a trainer
+    published at ``weights`` (a directory of safetensors, or a transport's URI) loaded
+    over it."""
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if weights is not None:
-        files = sorted(Path(weights).glob("*.safetensors"))
-        if not files:
-            raise EngineError(f"no *.safetensors in {weights!r}")
-        state: dict[str, Any] = {}
-        for file in files:
-            state.update(load_file(file))
+        # what the engine was given: a directory, through its index when it has one (a step
+        # of only the changed tensors points to earlier steps for the rest), or a transport's URI
+        from rollstream.producer.engines.vllm_worker import published_weights
+
+        try:
+            state: dict[str, Any] = {k: v.clone() for k, v in published_weights(weights, ties=False)}
+        except (FileNotFoundError, OSError, ValueError) as exc:
+            raise EngineError(f"cannot read the weights at {weights!r}: {exc}") from exc
         params = model.state_dict()
         loaded = {params[k].data_ptr() for k in state if k in params}
         # tied weights (lm_head = embeddings) are one tensor: saved once, loaded once

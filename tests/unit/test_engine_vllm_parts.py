@@ -138,6 +138,28 @@ def test_published_weights_come_over_the_collective_transport_too() -> None:
     assert all(torch.equal(fed[k], v) for k, v in tensors.items())
 
 
+def test_the_self_check_reference_reads_a_step_of_only_the_changed_tensors(tmp_path: Path) -> None:
+    """engines.vllm.self_check builds its transformers reference from what the engine was
+    given: a changed-only step's directory through its index (its files alone would be
+    refused as an incomplete checkpoint)."""
+    torch = require("torch", "hf")
+    require("transformers", "hf")
+    from rollstream.producer.engines.selfcheck import hf_model
+    from rollstream.shared.transports import TransportSettings, sender_for, unique_tensors
+    from tests.hf_fixtures import load_model, save_model
+
+    base = save_model(tmp_path / "base", seed=1)
+    trainer = load_model(base)
+    sender = sender_for(TransportSettings(changed_only=True, full_every=0), str(tmp_path / "w"))
+    sender.send(1, unique_tensors(trainer.state_dict()))
+    with torch.no_grad():
+        trainer.model.norm.weight.add_(1.0)
+    second = sender.send(2, unique_tensors(trainer.state_dict()))
+    sender.close()
+    reference = hf_model(str(base), second).state_dict()
+    assert all(torch.equal(reference[k], v) for k, v in trainer.state_dict().items())
+
+
 def test_a_weights_directory_without_safetensors_is_named(tmp_path: Path) -> None:
     from rollstream.producer.engines.vllm_worker import checkpoint_files
 
