@@ -187,9 +187,10 @@ class JudgeFailures:
     """What the producer says when the judge fails groups, which then go to the dead
     letters (each with its reason): one warning per cause, not a line per group, and not
     silence (every prompt of a dataset without ``meta.answer`` fails the same way). On
-    the judge queue, a failure while no ``rollstream judge`` worker is alive (the run's
-    liveness keys) is said once, loudly, with the groups it takes along; said again only
-    after a judge worker was seen alive in between."""
+    the judge queue, no ``rollstream judge`` worker alive (the run's liveness keys) while
+    jobs wait is said once, loudly, as soon as a job has waited a whole job timeout for
+    a worker (or at the first failure), with the groups it holds; said again only after
+    a judge worker was seen alive in between."""
 
     def __init__(self, client: redis.Redis, keys: Keys, producer: str, queue_key: str | None) -> None:
         self.client = client
@@ -197,16 +198,47 @@ class JudgeFailures:
         self.producer = producer
         self.queue_key = queue_key  # the rq queue's key, when the judge runs on the queue
         self.waiting = 0  # groups waiting on the judge queue now (the event loop counts them)
+        self.warned = False  # "no judge worker" was said, and no judge worker seen since
         self.judgeless = 0  # groups failed on the queue with no judge worker alive, since the warning
         self.causes: dict[str, int] = {}  # groups failed per cause
+        self._lock = threading.Lock()  # the calls come from the loop's worker threads
+
+    def queued_long(self, group_id: str, waited_s: float, dead_after_s: float) -> None:
+        """A group's judge job still waits for a worker after a whole job timeout."""
+        with self._lock:
+            if self.warned or self._judge_alive() is not False:
+                return
+            self.warned = True
+        log.warning(
+            "producer %s: no `rollstream judge` worker is alive (no %s key) to run the jobs on the "
+            "judge queue %s (producer.judge_on_queue is set): group %s has waited %.0f s for one, "
+            "with %d other groups waiting on the queue; each is dead-lettered after %.0f s unless a "
+            "judge worker runs: start `rollstream judge` (said once, not per group)",
+            self.producer, self.judges, self.queue_key, group_id, waited_s, max(0, self.waiting - 1),
+            dead_after_s,
+        )  # fmt: skip
+
+    def judged(self) -> None:
+        """A job on the queue was judged after the warning: a judge worker runs again."""
+        with self._lock:
+            if not self.warned or not self._judge_alive():
+                return
+            self.warned, lost = False, self.judgeless
+            self.judgeless = 0
+        log.warning(
+            "producer %s: a judge worker is alive again; %d groups were dead-lettered while none was",
+            self.producer, lost,
+        )  # fmt: skip
 
     def failed(self, group_id: str, exc: JudgeError) -> None:
         """One group failed for ``exc`` (called off the event loop: it may ask Redis)."""
         if self.queue_key is not None:
             alive = self._judge_alive()
             if alive is False:
-                self.judgeless += 1
-                if self.judgeless == 1:
+                with self._lock:
+                    self.judgeless += 1
+                    said, self.warned = self.warned, True
+                if not said:
                     log.warning(
                         "producer %s: no `rollstream judge` worker is alive (no %s key) to run the jobs "
                         "on the judge queue %s (producer.judge_on_queue is set): group %s is dead-lettered "
@@ -216,12 +248,8 @@ class JudgeFailures:
                         self.producer, self.judges, self.queue_key, group_id, exc, self.waiting,
                     )  # fmt: skip
                 return
-            if alive and self.judgeless:
-                log.warning(
-                    "producer %s: a judge worker is alive again; %d groups were dead-lettered while none was",
-                    self.producer, self.judgeless,
-                )  # fmt: skip
-                self.judgeless = 0
+            if alive and self.warned:
+                self.judged()
         cause = str(exc).replace(group_id, "{group}")
         if exc.job_id:
             cause = cause.replace(exc.job_id, "{job}")
@@ -457,15 +485,21 @@ class GroupRunner:
             # a cancelled group (a stop) ends the thread's wait too: the interpreter waits
             # for that thread at exit, for as long as wait_s when the judge is gone
             given_up = threading.Event()
-            self.judge_failures.waiting += 1
+            failures = self.judge_failures
+            failures.waiting += 1
             try:
-                rewards = await asyncio.to_thread(self.rq_judge.result, job, wait_s, given_up)
+                rewards = await asyncio.to_thread(
+                    self.rq_judge.result, job, wait_s, given_up,
+                    lambda waited: failures.queued_long(group.group_id, waited, wait_s),
+                )  # fmt: skip
             except asyncio.CancelledError:
                 given_up.set()
                 self.rq_judge.cancel([job])
                 raise
             finally:
-                self.judge_failures.waiting -= 1
+                failures.waiting -= 1
+            if failures.warned:
+                await asyncio.to_thread(failures.judged)
         apply_rewards(group.samples, rewards)
 
 

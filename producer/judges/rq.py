@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -109,12 +109,19 @@ class RQJudge:
         )
 
     def result(
-        self, job: Job, wait_s: float, given_up: threading.Event | None = None
+        self,
+        job: Job,
+        wait_s: float,
+        given_up: threading.Event | None = None,
+        queued_long: Callable[[float], None] | None = None,
     ) -> list[dict[str, Any]]:
         """The rewards of a finished job; JudgeError if it failed, was cancelled, or is not done
-        in wait_s, or once ``given_up`` is set (the caller no longer waits: a stop)."""
+        in wait_s, or once ``given_up`` is set (the caller no longer waits: a stop).
+        ``queued_long(seconds)`` is called once if the job is still waiting for a worker
+        after a whole job timeout (no worker took it: none runs, or all are busy)."""
         given_up = given_up or threading.Event()
-        deadline = time.monotonic() + wait_s
+        started = time.monotonic()
+        deadline = started + wait_s
         while True:
             try:
                 status = job.get_status(refresh=True)
@@ -131,7 +138,11 @@ class RQJudge:
                 raise JudgeError(f"judge job {job.id} {_failure_reason(job)}", job.id)
             if status in (JobStatus.CANCELED, JobStatus.STOPPED):
                 raise JudgeError(f"judge job {job.id} was {status.value}", job.id)
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if queued_long is not None and status in _PENDING and now - started >= self.job_timeout:
+                queued_long(now - started)
+                queued_long = None
+            remaining = deadline - now
             if remaining <= 0:
                 raise JudgeError(
                     f"judge job {job.id} timed out waiting: not done after {wait_s} s (still {status.value})",

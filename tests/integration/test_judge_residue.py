@@ -19,6 +19,8 @@ import pytest
 import redis
 from rq.registry import StartedJobRegistry
 
+from rollstream.producer.group import JudgeFailures
+from rollstream.producer.judges.base import JudgeError
 from rollstream.producer.judges.rq import RQJudge
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
@@ -80,8 +82,10 @@ def test_a_judge_queue_without_a_judge_worker_is_said_once(
     keys = Keys(run_name)
     assert "no `rollstream judge` worker is alive" in line and keys.alive(Role.JUDGE, "*") in line
     assert producer.runner.rq_judge is not None and producer.runner.rq_judge.queue.key in line
-    waiting = re.search(r"the (\d+) other groups waiting", line)
-    assert waiting is not None and int(waiting.group(1)) == 2, line
+    # said once a job had waited a whole job timeout (1 s), before any group was dead-lettered
+    assert "has waited 1 s" in line and "dead-lettered after 6 s" in line, line
+    waiting = re.search(r"with (\d+) other groups waiting", line)
+    assert waiting is not None and int(waiting.group(1)) >= 1, line
     assert producer.runner.judge_failures.judgeless == 3
 
 
@@ -213,3 +217,28 @@ def test_a_judge_without_pubsub_permission_warns_once_and_judges(
     assert "Traceback" not in logged, logged[-3000:]
     (line,) = [line for line in logged.splitlines() if "pub/sub" in line]
     assert "WARNING" in line and f"rs:{{{run_name}}}:rq:pubsub:" in line, line
+
+
+def test_a_judge_worker_back_is_said_with_the_groups_lost_meanwhile(
+    redis_server: EmbeddedRedis, run_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    failures = JudgeFailures(client, keys, "p1", "rq:queue:judge")
+    with caplog.at_level(logging.WARNING, logger=GROUP_LOG):
+        failures.queued_long("math:u0", 61.0, 195.0)
+        failures.queued_long("math:u1", 61.0, 195.0)  # said once
+        for uid in ("u0", "u1"):
+            failures.failed(f"math:{uid}", JudgeError("judge job j timed out waiting", "j"))
+        judge = Liveness(client, keys, Role.JUDGE, "j1", ttl_s=60)
+        judge.beat()
+        try:
+            failures.judged()
+            failures.judged()  # said once too
+        finally:
+            judge.clear()
+    lines = warnings(caplog)
+    assert len(lines) == 2, lines
+    assert "has waited 61 s" in lines[0]
+    assert "alive again; 2 groups were dead-lettered while none was" in lines[1]
+    assert (failures.warned, failures.judgeless) == (False, 0)
