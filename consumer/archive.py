@@ -578,6 +578,18 @@ class Archiver:
                 arrays.append(pa.array(values, type=f.type))
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
+    def check_dir(self) -> None:
+        """SettingsError naming archive.dir unless files can be written there."""
+        probe = self.root / f".probe.{self.consumer}.tmp"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise SettingsError(
+                f"archive.dir {str(self.root)!r}: the archive cannot be written there ({exc})"
+            ) from None
+
     def clean(self) -> int:
         """Remove this consumer's temporary files left by a crash (never visible: hidden)."""
         removed = 0
@@ -654,6 +666,7 @@ def archive_run(
     """The archiver's loop until ``stop``; then what the sources hold is read and written
     (the run's last step, when the run stopped), and the files closed."""
     archiver = Archiver(client, settings, consumer)
+    archiver.check_dir()
     if on_start is not None:
         on_start(archiver)
     removed = archiver.clean()

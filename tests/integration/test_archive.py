@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from tests.helpers import group_for, prompts, require, rollstream, wait_for
 pa = require("pyarrow", "archive")
 pq = require("pyarrow.parquet", "archive")
 
-from rollstream.consumer.archive import Archiver
+from rollstream.consumer.archive import Archiver, archive_run
 
 pytestmark = pytest.mark.integration
 
@@ -580,3 +581,12 @@ def test_an_archiver_beside_a_trainer_without_an_archive_says_so(
     archiver.step(0)
     assert "committed 2 groups of task math that did not come to the trained log" in caplog.text
     assert "ROLLSTREAM_ARCHIVE__KEEP for the trainer too" in caplog.text
+
+
+def test_an_archive_dir_that_cannot_be_written_is_named(real_buffer: BufferFactory, tmp_path: Path) -> None:
+    from rollstream.shared.errors import SettingsError
+
+    (tmp_path / "file").write_text("not a folder")
+    buffer = real_buffer("a", archive={"keep": 10, "dir": str(tmp_path / "file" / "archive")})
+    with pytest.raises(SettingsError, match=r"archive\.dir .*file/archive.*cannot be written"):
+        archive_run(buffer.client, buffer.settings, threading.Event())
