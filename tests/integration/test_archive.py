@@ -590,3 +590,22 @@ def test_an_archive_dir_that_cannot_be_written_is_named(real_buffer: BufferFacto
     buffer = real_buffer("a", archive={"keep": 10, "dir": str(tmp_path / "file" / "archive")})
     with pytest.raises(SettingsError, match=r"archive\.dir .*file/archive.*cannot be written"):
         archive_run(buffer.client, buffer.settings, threading.Event())
+
+
+def test_the_archive_works_on_redis_6_2(
+    redis62_server: EmbeddedRedis, make_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    settings = make_settings(redis62_server.url, **_archive_settings(tmp_path, keep=3))
+    producer = ReplayBuffer(connect(settings.redis), settings, "p1")
+    trainer = ReplayBuffer(connect(settings.redis), settings, "trainer")
+    ids = _produce_and_train(producer, trainer, "math", 2, step=1)
+    ids += _produce_and_train(producer, trainer, "math", 2, step=2, start=2)  # the cap deletes one
+    assert trainer.client.xlen(trainer.keys.trained("math")) == 3
+    archiver = Archiver(trainer.client, settings)
+    archiver.ensure()
+    archiver.step(0)
+    archiver.flush()
+    rows = _read(tmp_path / "archive" / "trained")
+    assert sorted(set(rows["group_id"])) == sorted(ids[1:])
+    assert trainer.client.xlen(trainer.keys.groups("math")) == 0
+    assert trainer.client.xlen(trainer.keys.trained("math")) == 0
