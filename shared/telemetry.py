@@ -66,11 +66,8 @@ GENERATION_SECONDS = Histogram(
     buckets=_SLOW,
 )
 INFLIGHT_GROUPS = Gauge("rollstream_inflight_groups", "Claims a producer holds and works on now", BASE)
-INFLIGHT_REQUESTS = Gauge(
-    "rollstream_inflight_requests",
-    "Engine requests this process has outstanding, per engine",
-    [*BASE, "engine"],
-)
+# rollstream_inflight_requests (per engine): _InflightRequests below, read at each scrape
+INFLIGHT_REQUESTS_NAME = "rollstream_inflight_requests"
 ADMISSION_WAITS = Counter(
     "rollstream_admission_waits_total",
     "Times a producer found prompts waiting but claimed none: the staleness bound held it back",
@@ -166,6 +163,20 @@ def labels(**extra: str) -> dict[str, str]:
     return {**_identity, **extra}
 
 
+# The labelled child of each figure, by (figure, run, role, other label values): what the
+# per-group calls use. prometheus-client's labels() builds, checks and looks up the label
+# set under a lock, several µs a call; this is one dict lookup.
+_children: dict[tuple[Any, ...], Any] = {}
+
+
+def _child(metric: MetricWrapperBase, *extra: str) -> Any:
+    key = (id(metric), _identity["run"], _identity["role"], *extra)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(_identity["run"], _identity["role"], *extra)
+    return child
+
+
 def metrics_port(
     settings: MetricsSettings, environ: Mapping[str, str] | None = None
 ) -> tuple[int, str] | None:
@@ -230,28 +241,28 @@ def serving(settings: Settings, role: str, *, required: bool = False) -> Iterato
 
 
 def group_finished(task: str, outcome: str, samples: int) -> None:
-    GROUPS_PRODUCED.labels(**labels(task=task, outcome=outcome)).inc()
-    SAMPLES_PRODUCED.labels(**labels(task=task, outcome=outcome)).inc(samples)
+    _child(GROUPS_PRODUCED, task, outcome).inc()
+    _child(SAMPLES_PRODUCED, task, outcome).inc(samples)
 
 
 def group_generated(task: str, seconds: float) -> None:
-    GENERATION_SECONDS.labels(**labels(task=task)).observe(seconds)
+    _child(GENERATION_SECONDS, task).observe(seconds)
 
 
 def group_completed(task: str, tokens: int) -> None:
-    GENERATED_TOKENS.labels(**labels(task=task)).inc(tokens)
+    _child(GENERATED_TOKENS, task).inc(tokens)
 
 
 def judged(task: str, seconds: float) -> None:
-    JUDGE_SECONDS.labels(**labels(task=task)).observe(seconds)
+    _child(JUDGE_SECONDS, task).observe(seconds)
 
 
 def judge_failed(task: str) -> None:
-    JUDGE_FAILURES.labels(**labels(task=task)).inc()
+    _child(JUDGE_FAILURES, task).inc()
 
 
 def admission_wait(task: str) -> None:
-    ADMISSION_WAITS.labels(**labels(task=task)).inc()
+    _child(ADMISSION_WAITS, task).inc()
 
 
 def weight_synced(model_step: int, reload_s: float, since_publish_s: float | None) -> None:
@@ -263,14 +274,39 @@ def weight_synced(model_step: int, reload_s: float, since_publish_s: float | Non
 
 def track_inflight(groups: Callable[[], int], per_engine: Callable[[], Sequence[int]]) -> None:
     """Read the claims and engine requests in flight at each scrape (no bookkeeping on
-    the hot path)."""
+    the hot path). ``per_engine`` is read whole at each scrape: the engine pool grows and
+    shrinks while a producer runs, and a scrape shows the engines it has then."""
     INFLIGHT_GROUPS.labels(**labels()).set_function(groups)
-    for engine in range(len(per_engine())):
-        INFLIGHT_REQUESTS.labels(**labels(engine=str(engine))).set_function(_nth(per_engine, engine))
+    _INFLIGHT_REQUESTS.per_engine = per_engine
 
 
-def _nth(values: Callable[[], Sequence[int]], i: int) -> Callable[[], float]:
-    return lambda: float(values()[i])
+class _InflightRequests(Collector):
+    """rollstream_inflight_requests: this process's outstanding requests per engine of
+    its pool, as the pool is at the scrape."""
+
+    def __init__(self) -> None:
+        self.per_engine: Callable[[], Sequence[int]] | None = None
+
+    def describe(self) -> list[Any]:
+        return [self._family()]
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            INFLIGHT_REQUESTS_NAME,
+            "Engine requests this process has outstanding, per engine",
+            labels=[*BASE, "engine"],
+        )
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        per_engine = self.per_engine
+        for engine, outstanding in enumerate(list(per_engine()) if per_engine else []):
+            family.add_metric([_identity["run"], _identity["role"], str(engine)], float(outstanding))
+        yield family
+
+
+_INFLIGHT_REQUESTS = _InflightRequests()
+REGISTRY.register(_INFLIGHT_REQUESTS)
 
 
 def archive_trimmed(groups: int) -> None:
@@ -377,7 +413,7 @@ def exported_names() -> set[str]:
     ``_total``, histograms as ``_bucket``, ``_sum`` and ``_count``), for checks of the
     dashboard's queries; the run collector's are shared/runmetrics.py's."""
     metrics = [v for v in globals().values() if isinstance(v, MetricWrapperBase)]
-    names = set(ENGINE_METRICS)
+    names = {*ENGINE_METRICS, INFLIGHT_REQUESTS_NAME}
     for metric in [*metrics, *TRAINER_FIGURES.values()]:
         for family in metric.describe():
             if family.type == "counter":

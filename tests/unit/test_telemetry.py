@@ -105,6 +105,49 @@ def test_a_taken_PORT_leaves_even_the_metrics_process_running(
     assert "(from $PORT)" in caplog.text and "going on without them" in caplog.text
 
 
+def test_the_per_group_figures_follow_the_identity_of_the_process(run_name: str) -> None:
+    value = telemetry.REGISTRY.get_sample_value
+    for role in ("producer", "judge", "producer"):  # the labelled children are reused, per identity
+        telemetry.identify(run_name, role)
+        telemetry.group_finished("math", "filtered", 8)
+        telemetry.group_generated("math", 0.5)
+        telemetry.judge_failed("code")
+    producer, judge = {"run": run_name, "role": "producer"}, {"run": run_name, "role": "judge"}
+    filtered = {"task": "math", "outcome": "filtered"}
+    assert value("rollstream_groups_produced_total", {**producer, **filtered}) == 2
+    assert value("rollstream_samples_produced_total", {**producer, **filtered}) == 16
+    assert value("rollstream_groups_produced_total", {**judge, **filtered}) == 1
+    assert value("rollstream_group_generation_seconds_count", {**producer, "task": "math"}) == 2
+    assert value("rollstream_judge_failures_total", {**judge, "task": "code"}) == 1
+    assert (
+        value("rollstream_groups_produced_total", {**producer, "task": "math", "outcome": "completed"})
+        is None
+    )
+
+
+def test_inflight_requests_show_the_engines_the_pool_has_at_each_scrape(run_name: str) -> None:
+    telemetry.identify(run_name, "producer")
+    outstanding = [2, 0, 1]  # a producer's pool: engines join and leave while it runs
+    telemetry.track_inflight(lambda: 5, lambda: outstanding)
+
+    def scraped() -> dict[str, float]:
+        families = {m.name: m for m in telemetry.REGISTRY.collect()}  # raises if a figure cannot be read
+        samples = families["rollstream_inflight_requests"].samples
+        return {s.labels["engine"]: s.value for s in samples if s.labels["run"] == run_name}
+
+    assert scraped() == {"0": 2.0, "1": 0.0, "2": 1.0}
+    outstanding.append(4)  # scaled out
+    assert scraped() == {"0": 2.0, "1": 0.0, "2": 1.0, "3": 4.0}
+    del outstanding[1:]  # scaled in: the retired engines left the pool
+    assert scraped() == {"0": 2.0}
+    assert (
+        telemetry.REGISTRY.get_sample_value(
+            "rollstream_inflight_groups", {"run": run_name, "role": "producer"}
+        )
+        == 5
+    )
+
+
 def test_the_trainer_figures(make_settings: SettingsFactory) -> None:
     settings = make_settings()
     telemetry.identify(settings.run, "trainer")
