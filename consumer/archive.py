@@ -295,6 +295,7 @@ class Archiver:
     def step(self, block_ms: int) -> int:
         """Read what is there (own pending entries first), write what is due; returns the
         number of entries read."""
+        self._check_lag()  # before this read: what waits for the archiver
         read = 0
         for source in self.sources:
             if source.recovering:
@@ -309,7 +310,6 @@ class Archiver:
                 self._take(source, entries, recovered=False)
                 read += len(entries)
         self.flush(due_only=True)
-        self._check_lag()
         return read
 
     def _recover(self, source: Source) -> int:

@@ -609,3 +609,27 @@ def test_the_archive_works_on_redis_6_2(
     assert sorted(set(rows["group_id"])) == sorted(ids[1:])
     assert trainer.client.xlen(trainer.keys.groups("math")) == 0
     assert trainer.client.xlen(trainer.keys.trained("math")) == 0
+
+
+def test_files_roll_by_size_and_the_archiver_warns_of_its_lag(
+    real_buffer: BufferFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollstream.consumer import archive as module
+
+    monkeypatch.setattr(module, "LAG_CHECK_S", 0.0)
+    # a file is closed once its entries hold 1 KiB: each group of 4 x 6 tokens is ~0.5 KiB
+    settings = _archive_settings(tmp_path, keep=10, warn_at=0.5, file_mb=1 / 1024, flush_s=3600, read_count=3)
+    producer = real_buffer("p1", **settings)
+    trainer = real_buffer("trainer", **settings)
+    ids = _produce_and_train(producer, trainer, "math", 6, step=1)
+    archiver = Archiver(trainer.client, trainer.settings)
+    archiver.ensure()
+    archiver.step(0)  # 3 read (of 6 waiting: 6 >= 0.5 x 10), one file of them
+    assert "6 trained groups in" in caplog.text and "of archive.keep 10" in caplog.text
+    archiver.step(0)
+    files = sorted((tmp_path / "archive").rglob("*.parquet"))
+    assert len(files) == 2 and archiver.sources[0].held == []  # rolled by size, not by time
+    assert sorted(set(_read(tmp_path / "archive" / "trained")["group_id"])) == sorted(ids)
