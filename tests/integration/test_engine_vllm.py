@@ -315,6 +315,40 @@ def test_reloaded_tied_models_decode_what_transformers_decodes(pool: EnginePool,
     run(main())
 
 
+def test_weights_over_the_transports_decode_what_transformers_decodes(
+    pool: EnginePool, models: Models, tmp_path: Path
+) -> None:
+    """A trainer's file steps, the second of only the tensors it changed (its index points
+    into the first step for the rest), then a collective broadcast: after each sync the
+    engine decodes what transformers decodes with the trainer's weights (and its self
+    check, on in this module, agrees)."""
+    import torch
+
+    from rollstream.shared.transports import TransportSettings, sender_for, unique_tensors
+
+    trainer = load_model(models.other)
+    files = sender_for(TransportSettings(changed_only=True, full_every=0), str(tmp_path / "weights"))
+    collective = sender_for(TransportSettings(kind="collective"), "")
+
+    async def main() -> None:
+        for i, sender in enumerate((files, files, collective)):
+            if i:
+                with torch.no_grad():
+                    trainer.model.norm.weight.mul_(1.5)
+                    trainer.model.layers[0].mlp.down_proj.weight.add_(0.02)
+            step = next(STEPS)
+            uri = sender.send(step, unique_tensors(trainer.state_dict()))
+            assert await pool.sync_weights(step, uri, "abort", timeout_s=180) == []
+            (g,) = await generate(pool, models.prompt, greedy())
+            assert g.response_ids.tolist() == greedy_ids(trainer, models.prompt, 16)
+
+    try:
+        run(main())
+    finally:
+        files.close()
+        collective.close()
+
+
 def test_self_check_makes_an_engine_refuse_an_incomplete_checkpoint(
     pool: EnginePool, models: Models, tmp_path: Path
 ) -> None:
