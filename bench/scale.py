@@ -9,7 +9,11 @@ reads batches of 64, commits them (ack + delete) and publishes weights every 100
 prompts come from the feeder (producer/feeder.py), which keeps ~2,000 unclaimed prompts
 in the stream, so nothing grows with the length of the run unless the library leaks.
 
-  scaling    per producer count: warm-up, then 3 windows; groups/s median [min..max]
+  scaling    per producer count: warm-up, then 3 windows; groups/s median [min..max], and
+             Redis CPU per group (INFO cpu, user + sys, over the windows) with its ratio to
+             the 2-producer figure (goal P7: within 1.2x as producers and engines grow;
+             --producers 2 8 16 --engines-per-producer 4 is 64 sim engines; on this 2-core
+             machine the producers' own CPU, not Redis, bounds how far that goes)
   long run   until --groups groups are trained or --seconds pass; INFO used_memory
              each second; memory_growth = last / first sample after the warm-up
 
@@ -60,7 +64,9 @@ def main() -> dict[str, Any]:
     with EmbeddedRedis() as server:
         scaling = {}
         for count in args.producers:
-            scaling[str(count)] = throughput(server.url, count, args.warmup_s, args.window_s, args.windows)
+            scaling[str(count)] = throughput(
+                server.url, count, args.warmup_s, args.window_s, args.windows, args.engines_per_producer
+            )
             print(
                 f"  {count} producer(s): {show(scaling[str(count)]['groups_per_s'], '.0f')} groups/s",
                 flush=True,
@@ -83,13 +89,20 @@ class Trace:
 
     steps: list[tuple[float, int]] = field(default_factory=list)
     memory: list[tuple[float, int, int]] = field(default_factory=list)  # time, groups, used_memory
+    cpu: list[tuple[float, int, float]] = field(default_factory=list)  # time, groups, Redis CPU seconds
 
 
 def run_settings(url: str, name: str) -> Settings:
     return load_settings(run=name, redis={"url": url}, **SETTINGS)
 
 
-def env_of(settings: Settings) -> dict[str, str]:
+def redis_cpu_s(client: Any) -> float:
+    """CPU seconds the Redis server has used (INFO cpu: user + sys, main thread and children)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def env_of(settings: Settings, engines: int = 1) -> dict[str, str]:
     return producer_env(
         settings.redis.url,
         settings.run,
@@ -103,10 +116,19 @@ def env_of(settings: Settings) -> dict[str, str]:
         producer__max_tokens="128",
         producer__max_inflight="64",
         producer__is_valid="keep_all",
+        engines__count=str(engines),
     )
 
 
-def run(url: str, name: str, producers: int, seconds: float, max_groups: int, memory_every_s: float) -> Trace:
+def run(
+    url: str,
+    name: str,
+    producers: int,
+    seconds: float,
+    max_groups: int,
+    memory_every_s: float,
+    engines: int = 1,
+) -> Trace:
     """Producers + feeder + trainer until ``seconds`` pass or ``max_groups`` are trained."""
     settings = run_settings(url, name)
     client = connect(settings.redis)
@@ -125,20 +147,23 @@ def run(url: str, name: str, producers: int, seconds: float, max_groups: int, me
         memory_client = connect(settings.redis)
         groups = 0
         next_sample = 0.0
+        deadline = float("inf")  # counted from the first step: producers take seconds to start
 
         def on_step(entry: StepLog) -> None:
-            nonlocal groups, next_sample
+            nonlocal groups, next_sample, deadline
             now = time.monotonic()
+            if not trace.steps:
+                deadline = now + seconds
             groups += entry.groups
             trace.steps.append((now, groups))
             if now >= next_sample:
                 trace.memory.append((now, groups, used_memory(memory_client)))
+                trace.cpu.append((now, groups, redis_cpu_s(memory_client)))
                 next_sample = now + memory_every_s
             if now >= deadline:
                 stop.set()
 
-        with Producers(producers, env_of(settings)) as procs:
-            deadline = time.monotonic() + seconds
+        with Producers(producers, env_of(settings, engines)) as procs:
             watchdog = threading.Thread(target=_watch, args=(procs, stop), daemon=True)
             watchdog.start()
             trainer.run(-(-max_groups // BATCH), on_step, stop)
@@ -159,8 +184,10 @@ def _watch(procs: Producers, stop: threading.Event) -> None:
             os._exit(1)
 
 
-def throughput(url: str, producers: int, warmup_s: float, window_s: float, windows: int) -> dict[str, Any]:
-    trace = run(url, f"b4-scale-{producers}", producers, warmup_s + window_s * windows, 10**9, 1.0)
+def throughput(
+    url: str, producers: int, warmup_s: float, window_s: float, windows: int, engines: int = 1
+) -> dict[str, Any]:
+    trace = run(url, f"b4-scale-{producers}", producers, warmup_s + window_s * windows, 10**9, 0.5, engines)
     start = next(t for t, _ in trace.steps if t >= trace.steps[0][0] + warmup_s)
     rates = []
     for i in range(windows):
@@ -168,7 +195,17 @@ def throughput(url: str, producers: int, warmup_s: float, window_s: float, windo
         inside = [(t, g) for t, g in trace.steps if a <= t <= b]
         if len(inside) >= 2:
             rates.append((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0]))
-    return {"producers": producers, "groups_per_s": spread(rates), "groups": trace.steps[-1][1]}
+    measured = [c for c in trace.cpu if c[0] >= start]
+    cpu_per_group = None
+    if len(measured) >= 2 and measured[-1][1] > measured[0][1]:
+        cpu_per_group = (measured[-1][2] - measured[0][2]) / (measured[-1][1] - measured[0][1])
+    return {
+        "producers": producers,
+        "engines": producers * engines,
+        "groups_per_s": spread(rates),
+        "groups": trace.steps[-1][1],
+        "redis_cpu_ms_per_group": None if cpu_per_group is None else cpu_per_group * 1000,
+    }
 
 
 def long_run(url: str, producers: int, groups: int, seconds: float) -> dict[str, Any]:
@@ -195,9 +232,13 @@ def long_run(url: str, producers: int, groups: int, seconds: float) -> dict[str,
 
 def headline(scaling: dict[str, Any], long: dict[str, Any]) -> dict[str, Any]:
     one = scaling.get("1", {}).get("groups_per_s", {}).get("median")
+    two = scaling.get("2", {}).get("redis_cpu_ms_per_group")
+    cpu = {k: v["redis_cpu_ms_per_group"] for k, v in scaling.items()}
     return {
         "groups_per_s": {k: v["groups_per_s"]["median"] for k, v in scaling.items()},
         "speedup_over_1": {k: v["groups_per_s"]["median"] / one for k, v in scaling.items()} if one else {},
+        "redis_cpu_ms_per_group": cpu,
+        "redis_cpu_per_group_vs_2": {k: v / two for k, v in cpu.items() if v is not None} if two else {},
         "memory_growth": long["memory_growth"],
         "memory_first_bytes": long["memory_first_bytes"],
         "memory_last_bytes": long["memory_last_bytes"],
@@ -207,10 +248,25 @@ def headline(scaling: dict[str, Any], long: dict[str, Any]) -> dict[str, Any]:
 
 def print_table(r: dict[str, Any]) -> None:
     rows = [
-        [k, show(v["groups_per_s"], ".0f"), f"{r['speedup_over_1'].get(k, float('nan')):.2f}"]
+        [
+            k,
+            str(v.get("engines", k)),
+            show(v["groups_per_s"], ".0f"),
+            f"{r['speedup_over_1'].get(k, float('nan')):.2f}",
+            "-" if v.get("redis_cpu_ms_per_group") is None else f"{v['redis_cpu_ms_per_group']:.3f}",
+            f"{r['redis_cpu_per_group_vs_2'].get(k, float('nan')):.2f}",
+        ]
         for k, v in r["scaling"].items()
     ]
-    print(table(["producers", "groups/s median [min..max]", "x over 1"], rows))
+    headers = [
+        "producers",
+        "engines",
+        "groups/s median [min..max]",
+        "x over 1",
+        "Redis CPU ms/group",
+        "x of 2",
+    ]
+    print(table(headers, rows))
     lr = r["long_run"]
     print(
         f"long run: {lr['groups']:,} groups in {lr['seconds']:.0f} s ({lr['groups_per_s']:.0f}/s, target "
@@ -251,6 +307,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, default=4.0)
     parser.add_argument("--window-s", type=float, default=4.0)
     parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument(
+        "--engines-per-producer", type=int, default=1, help="sim engines in each producer (engines.count)"
+    )
     parser.add_argument("--long-producers", type=int, default=2)
     parser.add_argument("--groups", type=int, default=200_000, help="long run: groups to train")
     parser.add_argument("--seconds", type=float, default=120.0, help="long run: at most this long")
