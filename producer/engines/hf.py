@@ -464,6 +464,11 @@ class HFEngine:
         except Exception as exc:  # a transport's failure, named with its URI
             raise EngineError(f"hf engine: cannot read the weights at {uri!r}: {exc}") from exc
         check_fit(uri, state, self._params)
+        # into the engine's dtype here, outside the decode thread (a bfloat16 engine of a
+        # float32 trainer): the copy between two steps then moves half the bytes
+        for name, tensor in state.items():
+            if tensor.dtype != self._params[name].dtype:
+                state[name] = tensor.to(self._params[name].dtype)
         return state, sources
 
 

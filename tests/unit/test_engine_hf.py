@@ -383,3 +383,15 @@ def test_gpu_throughput(tmp_path: Path) -> None:
         elapsed = time.perf_counter() - started
         assert all(len(g.response_ids) == max_tokens for g in gens)
         print(f"{device} {dtype}: {n * max_tokens / elapsed:.0f} tokens/s (n={n}, {max_tokens} tokens each)")
+
+
+def test_a_bfloat16_engine_takes_float32_weights(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """A float32 trainer's weights into a bfloat16 engine: converted on the way in."""
+    from tests.hf_fixtures import load_model
+
+    engine = HFEngine(HFEngineSettings(model=str(model_dirs[0]), dtype="bfloat16"))
+    run(engine.update_weights(1, str(model_dirs[1])))
+    theirs = load_model(model_dirs[1]).state_dict()
+    for name, mine in engine.model.state_dict().items():
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine, theirs[name].to(torch.bfloat16)), name
+    engine.stop()
