@@ -32,7 +32,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 
 from rollstream.shared import redisurl, telemetry
 from rollstream.shared.errors import RedisTooOld, RedisUnavailable, SettingsError
@@ -89,7 +89,7 @@ class OutageRetry(Retry):
                     started = now
                     log.warning(
                         "Redis at %s does not answer (%s): retrying for up to %g s",
-                        self.shown_url, error, self._limit(),
+                        self.shown_url, reason(error), self._limit(),
                     )  # fmt: skip
                 elif now - started >= self._limit():
                     log.error("Redis at %s gone for %.1f s: giving up", self.shown_url, now - started)
@@ -213,6 +213,18 @@ def pool_for(client: redis.Redis, key: str) -> redis.ConnectionPool:
     return server_for(client, key).connection_pool
 
 
+def reason(error: BaseException) -> str:
+    """One short line for a connection error. redis-py's MasterNotFoundError repeats the
+    whole configuration of every Sentinel's client; this names the service instead."""
+    if isinstance(error, MasterNotFoundError):
+        service = str(error).split("'")[1] if str(error).count("'") >= 2 else "?"
+        return (
+            f"no Sentinel answered with a primary for service {service!r} (are the Sentinels of "
+            "redis.url up, and is that the name in their `sentinel monitor` line?)"
+        )
+    return str(error) or type(error).__name__
+
+
 def check_server(client: redis.Redis, url: str) -> str:
     """Ping Redis and return its version, or raise RedisUnavailable / RedisTooOld."""
     shown = redact_url(url)
@@ -222,7 +234,7 @@ def check_server(client: redis.Redis, url: str) -> str:
     except redis.AuthenticationError as exc:
         raise RedisUnavailable(shown, f"authentication failed ({exc})", retryable=False) from None
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        raise RedisUnavailable(shown, str(exc) or type(exc).__name__) from None
+        raise RedisUnavailable(shown, reason(exc)) from None
     except redis.ResponseError as exc:
         if str(exc).startswith("LOADING"):  # a restarted server still reading its AOF
             raise RedisUnavailable(shown, "loading its data set") from None

@@ -324,3 +324,13 @@ def test_a_run_goes_on_through_a_failover_that_loses_the_last_writes(
 
 def _tails(procs: list[Supervised]) -> str:
     return "\n".join(f"--- {p.name}\n{p.log.read_text(errors='replace')[-2500:]}" for p in procs)
+
+
+def test_a_service_the_sentinels_do_not_know_is_one_clear_line(sentinels: SentinelSet) -> None:
+    url = sentinels.url.replace("/mymaster/", "/othermaster/").replace("://", "://:s3cret@")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    status = subprocess.run(_cli("--redis-url", url, "status"), env=env, capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)  # fmt: skip
+    assert status.returncode == 3, status.stderr
+    (line,) = status.stderr.strip().splitlines()
+    assert "service 'othermaster'" in line and "s3cret" not in line and len(line) < 400, line
