@@ -284,6 +284,10 @@ class ForeignTrainer:
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        # §11.2: every entry id this process holds (read, not yet committed, expired or
+        # dead-lettered), kept fresh, and never taken back as a stray of its own
+        self.holding: dict[str, set[str]] = {task: set() for task in self.tasks}
+        self._touched_at = time.monotonic()
         self.started, self._beat_at = time.time(), 0.0
         self.beat({"step": self.train_step})
         self._last_reclaim = {task: -math.inf for task in self.tasks}
@@ -314,6 +318,7 @@ class ForeignTrainer:
     # --- liveness (§8) -----------------------------------------------------------------
 
     def beat(self, detail: dict[str, Any] | None = None) -> None:
+        self.keep_fresh()
         now = time.time()
         if detail is None and now - self._beat_at < self.ttl_ms / 3000:
             return
@@ -331,6 +336,21 @@ class ForeignTrainer:
 
     def close(self) -> None:
         self.r.delete(self.alive)
+
+    def keep_fresh(self) -> None:
+        """§11.2: reset the idle time of what this process holds, every claim_idle_ms / 3,
+        only while each entry is still pending for it; one taken over is forgotten."""
+        now = time.monotonic()
+        if now - self._touched_at < self.claim_idle_ms / 3000:
+            return
+        self._touched_at = now
+        for task, ids in self.holding.items():
+            stream = self.groups(task)
+            for entry_id in sorted(ids):
+                if self.r.xpending_range(stream, TRAINER, entry_id, entry_id, 1, self.me):
+                    self.r.xclaim(stream, TRAINER, self.me, 0, [entry_id], justid=True)
+                else:
+                    ids.discard(entry_id)
 
     # --- reading (§11.2) ---------------------------------------------------------------
 
@@ -371,7 +391,12 @@ class ForeignTrainer:
         stream, start, theirs = self.groups(task), "-", []
         while len(theirs) < count:
             rows = self.r.xpending_range(stream, TRAINER, start, "+", PAGE, idle=self.claim_idle_ms)
-            theirs += [row for row in rows if row["consumer"].decode() != self.me]
+            # a dead consumer's, or this name's own that this process does not hold
+            held = self.holding[task]
+            theirs += [
+                row for row in rows
+                if row["consumer"].decode() != self.me or row["message_id"].decode() not in held
+            ]  # fmt: skip
             if len(rows) < PAGE:
                 break
             start = "(" + rows[-1]["message_id"].decode()
@@ -421,6 +446,7 @@ class ForeignTrainer:
             self._dead_letter(task, entry_id, fields, f"undecodable group entry: {exc}", deliveries)
             return None
         group.deliveries = deliveries
+        self.holding[task].add(entry_id)
         return group
 
     def _next(self, task: str, step: int, count: int) -> list[Group]:
@@ -481,6 +507,7 @@ class ForeignTrainer:
         the entry and count it in each of ``counters``, only while the entry is still pending
         for this consumer."""
         stream = self.groups(task)
+        self.holding[task].discard(entry_id)  # settled here, or not this process's any more
         key = (
             None
             if dest is None
@@ -585,6 +612,7 @@ class ForeignTrainer:
         by_task: dict[str, list[str]] = {}
         for group in record.groups:
             by_task.setdefault(group.task, []).append(group.entry_id)
+            self.holding[group.task].discard(group.entry_id)
         for task, ids in by_task.items():
             reply = self._commit(
                 keys=[self.groups(task), self.progress], args=[TRAINER, self.me, f"{task}:consumed", *ids]
@@ -903,3 +931,46 @@ def test_the_page_trainer_takes_an_empty_group_at_its_model_step(real_buffer: An
     assert [(g.group_id, g.model_step) for g in record.groups] == [("math:q1", 5)]
     assert record.expired == []
     trainer.close()
+
+
+def test_the_page_trainer_keeps_what_it_holds_fresh_and_takes_back_its_strays(
+    real_buffer: Any, run_name: str
+) -> None:
+    """§11.2: a trainer resets the idle time of the groups it holds, so that another
+    trainer-group consumer does not take them over past claim_idle_ms; and it takes back
+    its own idle entries that it does not hold (an XREADGROUP whose reply was lost),
+    which nobody else would while it lives."""
+    from rollstream.shared import codec
+    from rollstream.shared.records import Prompt
+    from rollstream.shared.runconfig import check_run_settings
+    from tests.helpers import group_for
+
+    idle_ms = 600
+    buffer = real_buffer("producer", tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 2})
+    check_run_settings(buffer.client, buffer.keys, buffer.settings, "test")
+    buffer.ensure("math")
+    client, stream = buffer.client, buffer.keys.groups("math")
+    for i in range(4):
+        group = group_for(Prompt(uid=f"q{i}", task="math", prompt=f"What is {i} + 1?"), n=2, step=0)
+        client.xadd(stream, codec.encode_group(group))
+    options: dict[str, Any] = {"claim_idle_ms": idle_ms, "max_attempts": 3}
+    a = ForeignTrainer(client, run_name, "trainer-a", **options)
+    b = ForeignTrainer(client, run_name, "trainer-b", **options)
+    record = a.read_batch(1, timeout_s=10)
+    assert len(record.groups) == 2
+    # a's step runs for three times claim_idle_ms, its loop beating as it goes
+    until = time.monotonic() + 3 * idle_ms / 1000
+    while time.monotonic() < until:
+        a.beat()
+        time.sleep(0.02)
+    assert b._reclaim("math", 10) == [], "b took over groups that a holds"
+    assert a.commit(record) == []
+    # a read of a's whose reply was lost: pending under a's name, unknown to a
+    ((_, [(stray, _)]),) = client.xreadgroup(TRAINER, "trainer-a", {stream: ">"}, count=1)
+    wait_idle(client, stream, TRAINER, idle_ms)
+    second = a.read_batch(2, timeout_s=10)
+    assert stray.decode() in [g.entry_id for g in second.groups]
+    assert a.commit(second) == []
+    assert client.xpending(stream, TRAINER)["pending"] == 0
+    a.close()
+    b.close()
