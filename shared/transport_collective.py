@@ -72,7 +72,7 @@ class CollectiveSender:
         except (RuntimeError, ValueError) as exc:
             raise WeightError(f"weights.address {settings.address!r}: cannot listen there: {exc}") from exc
         self.port = int(self.store.port)
-        self._staging = Staging()
+        self._staging = Staging(settings.dtype)
         self._held: dict[str, list[Any]] = {}
         self._keys: list[str] = []
         self._lock = threading.Lock()

@@ -76,7 +76,7 @@ class RaySender:
         actor: Any = ray.remote(num_cpus=0)(Registry)
         self.registry = actor.options(name=self.name, namespace=self.namespace, get_if_exists=True).remote()
         self._changes = Changes(settings)
-        self._staging = Staging()
+        self._staging = Staging(settings.dtype)
         self._where: dict[str, list[Any]] = {}  # name -> [source, bucket, position, dtype, shape]
         self._refs: dict[str, list[Any]] = {}  # source -> bucket refs
         self._keys: list[str] = []

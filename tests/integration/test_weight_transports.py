@@ -155,3 +155,27 @@ def test_a_step_sent_again_is_a_full_set(tmp_path: Path) -> None:
     assert_same_weights(engine, trainer)
     engine.stop()
     sender.close()
+
+
+@pytest.mark.parametrize("kind", ["file", "collective"])
+def test_weights_sent_in_the_engines_dtype(kind: str, tmp_path: Path) -> None:
+    """weights.dtype = bfloat16: a float32 trainer sends half the bytes, and a bfloat16
+    engine holds exactly the trainer's weights rounded to bfloat16."""
+    directory = save_model(tmp_path / "model", seed=1)
+    trainer = load_model(directory)
+    settings = TransportSettings(kind=kind, dtype="bfloat16")  # type: ignore[arg-type]
+    sender = sender_for(settings, str(tmp_path / "w"))
+    engine = HFEngine(HFEngineSettings(model=str(directory), dtype="bfloat16"))
+    try:
+        train_step(trainer, 1)
+        uri = sender.send(1, unique_tensors(trainer.state_dict()))
+        if kind == "file":
+            sent = dict(receive(uri))
+            assert {t.dtype for t in sent.values()} == {torch.bfloat16}
+        asyncio.run(engine.update_weights(1, uri))
+        theirs = trainer.state_dict()
+        for name, mine in engine.model.state_dict().items():
+            assert torch.equal(mine, theirs[name].to(torch.bfloat16)), name
+    finally:
+        engine.stop()
+        sender.close()
