@@ -69,6 +69,19 @@ class Window:
 Pending = tuple[Claim, Group, "asyncio.Future[str | None]"]
 
 
+async def settle_off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a settle, in the loop's default executor; a cancellation of the
+    caller (a stop) never cancels the settle: it waits for it to land, then goes on. A
+    cancelled ``asyncio.to_thread`` drops a call that no worker thread has taken up yet
+    (every thread busy, a loaded machine): the claim stayed pending after a cold stop."""
+    future = asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])  # never cancels it; a second cancellation ends the wait
+        raise
+
+
 class Completions:
     """Completed groups written together: the groups that finish in one turn of the
     event loop share one fenced settle per pool (ReplayBuffer.complete_many) instead
@@ -99,8 +112,10 @@ class Completions:
 
     async def _write_off_loop(self, pending: list[Pending]) -> None:
         try:
-            outcomes = await asyncio.to_thread(self._write, pending)
-        except asyncio.CancelledError:  # the loop goes away: what the thread writes still lands
+            # shielded: a cancelled call that no worker thread had taken up yet would be dropped
+            writing = asyncio.get_running_loop().run_in_executor(None, self._write, pending)
+            outcomes = await asyncio.shield(writing)
+        except asyncio.CancelledError:  # the loop goes away: the write still lands (asyncio.run waits for it)
             for _, _, future in pending:
                 future.cancel()
             raise
@@ -325,13 +340,13 @@ class GroupRunner:
             self.buffer.abort(claim, [])  # the producer stops: the claim goes back now
             raise
         except GroupFailed as exc:
-            await asyncio.to_thread(self.buffer.dead_letter, claim.entry, f"generation failed: {exc}")
+            await settle_off_loop(self.buffer.dead_letter, claim.entry, f"generation failed: {exc}")
             return FAILED
         # the settles below run off the event loop (a Redis riding out an outage holds this
         # group, not the producer); those of a stop, in the CancelledError paths, stay on it
         if any(s.status is Status.ABORTED for s in samples):
             keep = samples if self.settings.rollout.on_weight_sync == "partial" else []
-            return ABORTED if await asyncio.to_thread(self.buffer.abort, claim, keep) is not None else FENCED
+            return ABORTED if await settle_off_loop(self.buffer.abort, claim, keep) is not None else FENCED
         group = Group.for_prompt(
             claim.prompt, samples=samples, attempt=claim.entry.deliveries, producer=self.buffer.consumer,
             start_step=start_step,
@@ -340,8 +355,10 @@ class GroupRunner:
             await self.score(group)
         except JudgeError as exc:
             judge_failed(claim.task)
+            # the dead letter first: a stop that cancels the group while the failure is said
+            # then leaves no claim pending
+            await settle_off_loop(self.buffer.dead_letter, claim.entry, f"judge failed: {exc}")
             await asyncio.to_thread(self.judge_failures.failed, claim.group_id, exc)
-            await asyncio.to_thread(self.buffer.dead_letter, claim.entry, f"judge failed: {exc}")
             return FAILED
         except asyncio.CancelledError:
             # the producer stops: hand the claim back now (with the generated samples, in
@@ -352,7 +369,7 @@ class GroupRunner:
         group.timings.update(generate_s=generated - started, judge_s=time.monotonic() - generated)
         judged(claim.task, group.timings["judge_s"])
         if claim.source != EVALS and not self.is_valid(group):  # eval results are all kept
-            return FILTERED if await asyncio.to_thread(self.buffer.drop, claim, group) else FENCED
+            return FILTERED if await settle_off_loop(self.buffer.drop, claim, group) else FENCED
         self.recent_s.append(time.monotonic() - started)
         if await self.completions.complete(claim, group) is None:
             return FENCED
