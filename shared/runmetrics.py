@@ -13,7 +13,7 @@ Nothing scans entries or keys.
     rollstream_stream_{kind}_lag                of those, not yet delivered
     rollstream_stream_{kind}_oldest_pending_age_seconds  idle time of the first pending entry
     rollstream_progress_{counter}_total         the run's cumulative counters (keys.Count)
-    rollstream_progress_reward_sum              the sum of scores (a gauge: scores may be < 0)
+    rollstream_progress_reward_scores           the sum of scores (a gauge: scores may be < 0)
     rollstream_dead_letters                     entries in the dead-letter stream
     rollstream_model_step, rollstream_train_step, rollstream_paused
     rollstream_producers_alive                  producers with a fresh heartbeat
@@ -52,6 +52,9 @@ from rollstream.shared.streams import text
 log = logging.getLogger(__name__)
 
 GAUGE_COUNTERS = (Count.REWARD_SUM,)  # may go down: a gauge, not a counter
+# a gauge named ..._sum is read as a summary's or a histogram's sum (promtool check
+# metrics refuses it): the progress hash's reward_sum is exported under this name
+GAUGE_NAMES = {Count.REWARD_SUM: "rollstream_progress_reward_scores"}
 
 
 def stream_metric(kind: str, what: str) -> str:
@@ -59,8 +62,9 @@ def stream_metric(kind: str, what: str) -> str:
 
 
 def progress_metric(counter: Count) -> str:
-    base = f"rollstream_progress_{counter.value}"
-    return base if counter in GAUGE_COUNTERS else f"{base}_total"
+    if counter in GAUGE_COUNTERS:
+        return GAUGE_NAMES[counter]
+    return f"rollstream_progress_{counter.value}_total"
 
 
 def exported_names() -> set[str]:

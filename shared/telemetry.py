@@ -13,8 +13,10 @@ multiply Redis' load.
 
 Names follow Prometheus' conventions (``rollstream_<thing>_<unit>[_total]``, base
 units); labels are ``run`` and ``role`` on every figure, ``task`` and ``engine`` where
-they apply, and ``outcome`` (a closed set: the group outcomes) on the produced
-counters. Nothing with unbounded values (a group id, a producer name) is a label.
+they apply, ``outcome`` (a closed set: the group outcomes) on the produced counters and
+``set`` (trained, untrained) on the archive's rows: a label, not a metric per value, so
+that a sum over it is the whole. Nothing with unbounded values (a group id, a producer
+name) is a label.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ real server in tests/integration/test_metrics.py)."""
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
+import subprocess
 import urllib.request
 from typing import Any
 
@@ -22,7 +24,7 @@ from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys
 from rollstream.shared.runmetrics import RunCollector, exported_names
 from rollstream.shared.settings import MetricsSettings
-from tests.conftest import BufferFactory, SettingsFactory
+from tests.conftest import CI, BufferFactory, SettingsFactory
 from tests.helpers import group_for, prompts
 
 
@@ -207,6 +209,44 @@ def test_the_run_collector_reports_what_redis_holds(fake_buffer: BufferFactory) 
     assert value("rollstream_producer_model_step_min", {"run": run}) == 0
     assert value("rollstream_dead_letters", {"run": run}) == 0
     assert _sample_names(registry) <= exported_names()
+
+
+def test_every_figure_passes_promtools_lint_of_names_and_types(fake_buffer: BufferFactory) -> None:
+    """promtool check metrics (Prometheus' own lint: a counter ends in _total, a unit is a
+    base unit, no _sum / _count / _bucket on what is not a summary or histogram) on a
+    scrape of every figure: each process's, the engines' and the run collector's."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if CI:
+            raise RuntimeError("no promtool: CI installs Debian's prometheus package (make test does)")
+        pytest.skip("no promtool (apt-get install prometheus)")
+    producer: ReplayBuffer = fake_buffer("p1")
+    run = producer.keys.run
+    producer.feed(prompts("math", 2))
+    claim = producer.claim("math", 1)[0]
+    producer.complete(claim, group_for(claim.prompt))  # the progress counters, reward included
+    telemetry.identify(run, "producer")
+    telemetry.group_finished("math", "completed", 4)
+    telemetry.group_generated("math", 0.5)
+    telemetry.group_completed("math", 64)
+    telemetry.judged("math", 0.1)
+    telemetry.judge_failed("math")
+    telemetry.admission_wait("math")
+    telemetry.weight_synced(1, 0.2, 0.3)
+    telemetry.track_inflight(lambda: 1, lambda: [1, 0])
+    telemetry.outage(1.0)
+    telemetry.archive_trimmed(1)
+    telemetry.archive_written("trained", 2)
+    telemetry.archive_lag(3)
+    figures = {name: 0.5 for name in telemetry.TRAINER_FIGURES}
+    telemetry.train_step(2, 0.25, 1.0, {"math": 1}, {0: 1}, 1, figures)
+    engines = CollectorRegistry()
+    engines.register(telemetry.EngineCollector(lambda: [EngineHealth(True, 1, False, 2, 2, 0, 0.5)]))
+    scrapes = [telemetry.REGISTRY, engines, _collect(producer.client, run, ["math"])]
+    exposition = b"".join(generate_latest(registry) for registry in scrapes)
+    assert b"rollstream_progress_reward_scores{" in exposition and b"rollstream_engine_up{" in exposition
+    lint = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
+    assert lint.returncode == 0, (lint.stdout + lint.stderr).decode()
 
 
 def _sample_names(registry: CollectorRegistry) -> set[str]:
