@@ -99,6 +99,10 @@ def test_two_runs_on_different_masters_each_run_end_to_end(
         account = result["accounts"]["math"]
         assert result["train_step"] == STEPS and account["trained"] == STEPS * BATCH, account
         assert account["lost"] == 0 and account["fed"] == 40, account
+        for command in (["show", "dead"], ["steps"], ["check"], ["pause"], ["resume"]):  # the CLI's others
+            done = subprocess.run(_cli(*command), env=_env(cluster.url, run), capture_output=True, text=True,
+                                  timeout=60, cwd=ROOT)  # fmt: skip
+            assert done.returncode == 0, (command, done.stderr)
         # the run's keys are all on its own master
         master = cluster.node_of(Keys(run).state).client()
         assert master.exists(Keys(run).groups("math")) and master.exists(Keys(run).progress)
