@@ -220,7 +220,8 @@ def reason(error: BaseException) -> str:
         service = str(error).split("'")[1] if str(error).count("'") >= 2 else "?"
         return (
             f"no Sentinel answered with a primary for service {service!r} (are the Sentinels of "
-            "redis.url up, and is that the name in their `sentinel monitor` line?)"
+            "redis.url up, do they take its ?sentinel_password=, and is that the name in their "
+            "`sentinel monitor` line?)"
         )
     return str(error) or type(error).__name__
 

@@ -65,7 +65,7 @@ _NAME_RE = re.compile(NAME_PATTERN)
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 # Redis numbers its databases from 0 and allows at most INT_MAX of them (16 by default).
 _MAX_DB = 2**31 - 2
-_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&;]password=)[^&#\s'\"]*")
+_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&;](?:sentinel_)?password=)[^&#\s'\"]*")
 
 
 def redact_url(url: str) -> str:
@@ -91,7 +91,8 @@ def redact_url(url: str) -> str:
         port = netloc[colon + 1 :]
         if colon >= 0 and port and not port.isdigit() and not netloc.endswith("]"):
             url = f"{url[: start + colon + 1]}***{url[end:]}"
-    # redis-py passes unknown query parameters to the connection: ?password= is one.
+    # redis-py passes unknown query parameters to the connection: ?password= is one;
+    # redis+sentinel:// URLs carry the Sentinels' own as ?sentinel_password=.
     return _QUERY_PASSWORD_RE.sub(r"\1***", url)
 
 

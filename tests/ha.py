@@ -19,11 +19,14 @@ SERVICE = "mymaster"
 class Node:
     """One redis-server (or Sentinel) process on 127.0.0.1 with a folder of its own."""
 
-    def __init__(self, binary: str, folder: Path, args: list[str], port: int | None = None) -> None:
+    def __init__(
+        self, binary: str, folder: Path, args: list[str], port: int | None = None, password: str | None = None
+    ) -> None:
         self.binary = binary
         self.port = port or free_port()
         self.folder = folder
         self.args = args
+        self.password = password  # the default user's
         self.proc: subprocess.Popen[bytes] | None = None
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -53,7 +56,9 @@ class Node:
             return False
 
     def client(self, timeout: float = 5.0) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout)
+        return redis.Redis(
+            port=self.port, password=self.password, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
 
     def kill(self) -> None:
         """kill -9: the machine is gone, with whatever the replicas had not got yet."""
@@ -90,23 +95,44 @@ DATA_ARGS = [
 class SentinelSet:
     """A primary, ``replicas`` replicas and three Sentinels (quorum 2) watching them."""
 
-    def __init__(self, replicas: int = 1, down_after_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        replicas: int = 1,
+        down_after_ms: int = 1000,
+        password: str | None = None,
+        sentinel_password: str | None = None,
+    ) -> None:
+        """``password``: the data nodes' (requirepass); ``sentinel_password``: the Sentinels'."""
         self.binary = find_redis_server()
         self._dir = tempfile.mkdtemp(prefix="rollstream-sentinel-")
         root = Path(self._dir)
-        self.data = [Node(self.binary, root / f"data{i}", DATA_ARGS) for i in range(1 + replicas)]
-        self.sentinels = [Node(self.binary, root / f"sentinel{i}", ["--sentinel"]) for i in range(3)]
+        args = [*DATA_ARGS, "--requirepass", password] if password else DATA_ARGS
+        self.data_args = args
+        self.data = [
+            Node(self.binary, root / f"data{i}", args, password=password) for i in range(1 + replicas)
+        ]
+        sentinel_args = ["--sentinel"]
+        if sentinel_password:
+            sentinel_args += ["--requirepass", sentinel_password]
+        self.sentinels = [
+            Node(self.binary, root / f"sentinel{i}", sentinel_args, password=sentinel_password)
+            for i in range(3)
+        ]
         self.down_after_ms = down_after_ms
+        self.password = password
+        self.sentinel_password = sentinel_password
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
-        return f"redis+sentinel://{hosts}/{SERVICE}/0"
+        auth = f":{self.password}@" if self.password else ""
+        query = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
+        return f"redis+sentinel://{auth}{hosts}/{SERVICE}/0{query}"
 
     def start(self) -> SentinelSet:
         primary = self.data[0].start()
         for replica in self.data[1:]:
-            replica.args = [*DATA_ARGS, "--replicaof", "127.0.0.1", str(primary.port)]
+            replica.args = [*self.data_args, "--replicaof", "127.0.0.1", str(primary.port)]
             replica.start()
         config = (
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 2\n"
@@ -114,6 +140,10 @@ class SentinelSet:
             f"sentinel failover-timeout {SERVICE} 5000\n"
             f"sentinel parallel-syncs {SERVICE} 1\n"
         )
+        if self.password:
+            config += f"sentinel auth-pass {SERVICE} {self.password}\n"
+        if self.sentinel_password:
+            config += f"sentinel sentinel-pass {self.sentinel_password}\n"
         for sentinel in self.sentinels:
             sentinel.start(config)
         wait_for(lambda: self.replicas_in_sync(len(self.data) - 1), timeout=30)

@@ -22,6 +22,7 @@ import redis
 from rollstream.consumer.batches import BatchReader, TrainBatch
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
+from rollstream.shared.errors import RedisUnavailable
 from rollstream.shared.keys import TRAINER, Keys
 from rollstream.shared.settings import RedisSettings, load_settings
 from tests.ha import DATA_ARGS, Node, SentinelSet
@@ -334,3 +335,22 @@ def test_a_service_the_sentinels_do_not_know_is_one_clear_line(sentinels: Sentin
     assert status.returncode == 3, status.stderr
     (line,) = status.stderr.strip().splitlines()
     assert "service 'othermaster'" in line and "s3cret" not in line and len(line) < 400, line
+
+
+def test_the_data_nodes_and_the_sentinels_passwords_come_from_the_url() -> None:
+    ha = SentinelSet(password="data-secret", sentinel_password="sentinel-secret").start()
+    try:
+        assert ":data-secret@" in ha.url and "sentinel_password=sentinel-secret" in ha.url
+        client = connect(RedisSettings(url=ha.url, outage_limit_s=30))
+        client.set("before", "1")
+        wait_for(lambda: ha.replicas_in_sync(1) and _offsets_equal(ha.primary()), timeout=10)
+        _, new = ha.fail_over_by_kill()
+        client.set("after", "1")
+        assert new.client().mget("before", "after") == [b"1", b"1"]
+        # a wrong password of the Sentinels' is refused at start with one clear line
+        wrong = ha.url.replace("sentinel_password=sentinel-secret", "sentinel_password=nope")
+        with pytest.raises(RedisUnavailable) as info:
+            connect(RedisSettings(url=wrong, outage_limit_s=1))
+        assert "sentinel_password" in str(info.value) and "nope" not in str(info.value)
+    finally:
+        ha.stop()

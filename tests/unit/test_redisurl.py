@@ -64,3 +64,8 @@ def test_wait_settings_are_bounded() -> None:
         load_settings(redis={"wait_timeout_ms": 0})
     with pytest.raises(SettingsError, match=r"redis\.wait_replicas"):
         load_settings(redis={"wait_replicas": -1})
+
+
+def test_the_sentinels_password_in_the_query_is_redacted_too() -> None:
+    shown = redact_url("redis+sentinel://:data-pw@h1:26379/mymaster?sentinel_password=sentinel-pw")
+    assert "data-pw" not in shown and "sentinel-pw" not in shown and "sentinel_password=***" in shown
