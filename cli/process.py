@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -78,15 +80,46 @@ def cold_stop(stop: threading.Event) -> threading.Event | None:
     return getattr(stop, "cold", None)
 
 
+_SIGNAL_PIPES: weakref.WeakKeyDictionary[threading.Event, int] = weakref.WeakKeyDictionary()
+
+
 def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
     """SIGTERM and SIGINT set the event: a process finishes what it is doing and exits; a
     second signal makes it a cold stop (see StopSignal). Call it again with the same event
-    after ``ray.init``, which installs handlers of its own."""
+    after ``ray.init``, which installs handlers of its own.
+
+    The handler only writes the signal's number to a pipe; a thread of its own reads it
+    and acts (logs, sets the events). A handler runs in the main thread between two of its
+    bytecodes, maybe while that thread holds an event's lock (inside ``stop.wait()``,
+    ``STOPPING.set()``, or the handler of a signal that came just before, as a second
+    SIGTERM right after the first does): an ``Event.set()`` there waited for ever on a lock
+    its own thread held, and the process hung instead of stopping."""
     stop = stop or StopSignal()
+    write = _SIGNAL_PIPES.get(stop)
+    if write is None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        _SIGNAL_PIPES[stop] = write
+        relay = threading.Thread(
+            target=_relay_signals, args=(read, _on_signal(stop)), name="signals", daemon=True
+        )
+        relay.start()
+
+    def handler(signum: int, frame: object) -> None:
+        with contextlib.suppress(OSError):  # a full pipe holds signals enough already
+            os.write(write, bytes([signum]))
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _on_signal(stop: threading.Event) -> Callable[[int], None]:
+    """What a signal does to ``stop``, in the relay thread."""
     cold = cold_stop(stop)
     received = getattr(stop, "signals", None)
 
-    def handler(signum: int, frame: object) -> None:
+    def act(signum: int) -> None:
         name = signal.Signals(signum).name
         # the second *signal* is a cold stop: a stop that the run's stop event began is
         # still warm when the process manager's SIGTERM follows
@@ -100,9 +133,24 @@ def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
         STOPPING.set()  # a process manager stops Redis too: outages are not ridden out now
         stop.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
+    return act
+
+
+def _relay_signals(read: int, act: Callable[[int], None]) -> None:
+    """The signals' thread: each signal number written by the handler, acted on in order."""
+    while True:
+        try:
+            data = os.read(read, 64)
+        except OSError as exc:  # never silent: a process that cannot hear SIGTERM says so
+            log.error("the signal relay stopped (%s): SIGTERM no longer stops this process", exc)
+            return
+        if not data:  # the write end closed: nothing can signal through it any more
+            return
+        for signum in data:
+            try:
+                act(signum)
+            except Exception:  # a failure to log must not deafen the process to the next signal
+                log.exception("acting on signal %d failed", signum)
 
 
 def wait_until_gone(process: Process, roles: tuple[str, ...]) -> None:
