@@ -51,10 +51,6 @@ def test_buffer_pipeline_and_summary_at_smoke_size(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 0 < summary["bytes_overhead"] < 0.01 and summary["summary_chars_max"] <= codec.SUMMARY_MAX
 
-    bench(tmp_path, "bench/archive.py", "--quick")  # every commit acked; the archiver wrote files
-    archive = json.loads((tmp_path / "archive.json").read_text())
-    assert archive["archived_files"] > 0 and "step_overhead" in archive["archiving"]
-
     skip_all = ["--skip", "buffer", "ray_queue", "pipeline", "weight_sync", "scale", "durability", "summary"]
     skip_all += ["archive"]
     # learning has a smoke test of its own; vllm_pipeline (two vLLM start-ups) runs in make bench only
@@ -66,3 +62,9 @@ def test_buffer_pipeline_and_summary_at_smoke_size(tmp_path: Path) -> None:
     assert latest["buffer"]["ratio_vs_raw"] == buffer["ratio_vs_raw"]
     assert "durability.always_vs_everysec" in table
     assert "summary.hot_path_overhead" in table
+
+
+def test_the_archive_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    bench(tmp_path, "bench/archive.py", "--quick")  # every commit acked; the archiver wrote files
+    archive = json.loads((tmp_path / "archive.json").read_text())
+    assert archive["archived_files"] > 0 and "step_overhead" in archive["archiving"]
