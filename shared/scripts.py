@@ -55,11 +55,13 @@ end
 """
 )
 
+# A counter that HINCRBY increments: an integer as Redis writes one. tonumber() also takes
+# '1.5', '0x10' or ' 7', which HINCRBY refuses after the script's earlier writes.
 _CHECK_COUNTER_FN = """
 local function check_counter(hash, field)
   if field == '' then return end
   local v = redis.call('HGET', hash, field)
-  if v and not tonumber(v) then
+  if v and not (#v <= 20 and string.match(v, '^%-?%d+$')) then
     error('progress field ' .. field .. ' is not a number: ' .. v)
   end
 end
@@ -234,6 +236,7 @@ RECLAIM = (
     + _CHECK_COUNTER_FN
     + """
 check_counter(KEYS[3], ARGV[7])
+check_counter(KEYS[3], ARGV[8])
 local count = tonumber(ARGV[5])
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', count)
 local max_attempts = tonumber(ARGV[6])
