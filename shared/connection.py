@@ -31,6 +31,7 @@ from typing import Any, TypeVar, cast
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import SSLConnection
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 
@@ -130,7 +131,7 @@ def _client(settings: RedisSettings, retry: Retry | None) -> redis.Redis:
         "health_check_interval": 30,
         "retry": retry if retry is not None else Retry(ExponentialWithJitterBackoff(), 0),
     }
-    if redisurl.scheme_of(settings.url) == redisurl.SENTINEL:
+    if redisurl.scheme_of(settings.url) in redisurl.SENTINELS:
         return _sentinel_client(redisurl.parse(settings.url), options)
     if redisurl.scheme_of(settings.url) == redisurl.CLUSTER:
         return _cluster_client(redisurl.parse(settings.url), options)
@@ -150,6 +151,10 @@ class FollowingConnection(SentinelManagedConnection):
         return super()._connect()  # type: ignore[no-untyped-call]
 
 
+class FollowingSSLConnection(FollowingConnection, SSLConnection):
+    """FollowingConnection over TLS (rediss+sentinel://)."""
+
+
 def _sentinel_client(target: redisurl.MultiHostUrl, options: dict[str, Any]) -> redis.Redis:
     """A client of the primary that the Sentinels name, asked again at each (re)connect."""
     sentinel_options: dict[str, Any] = {
@@ -160,13 +165,17 @@ def _sentinel_client(target: redisurl.MultiHostUrl, options: dict[str, Any]) -> 
         sentinel_options["password"] = target.options["sentinel_password"]
     if "sentinel_username" in target.options:
         sentinel_options["username"] = target.options["sentinel_username"]
+    tls = {name: value for name, value in target.options.items() if name in redisurl.TLS_QUERY}
+    if target.tls:
+        sentinel_options.update(ssl=True, **tls)
+        options = {**options, **tls}
     sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
     client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
         target.service,
         db=target.db,
         username=target.username,
         password=target.password,
-        connection_class=FollowingConnection,
+        connection_class=FollowingSSLConnection if target.tls else FollowingConnection,
         **options,
     )
     return client

@@ -1,6 +1,8 @@
 """The URL forms of redis.url beyond redis-py's own (redis://, rediss://, unix://).
 
     redis+sentinel://[[user]:password@]host:port[,host:port...]/service_name[/db]
+    rediss+sentinel://...     the same over TLS (Sentinels and data nodes), with
+                              ?ssl_ca_certs=, ?ssl_certfile=, ?ssl_keyfile=, ?ssl_cert_reqs=
     redis+cluster://[[user]:password@]host:port[,host:port...]
 
 Sentinel: the addresses are the Sentinels', the service name is the one their
@@ -19,11 +21,14 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, unquote
 
 SENTINEL = "redis+sentinel"
+SENTINEL_TLS = "rediss+sentinel"
 CLUSTER = "redis+cluster"
-SCHEMES = (SENTINEL, CLUSTER)
+SCHEMES = (SENTINEL, SENTINEL_TLS, CLUSTER)
+SENTINELS = (SENTINEL, SENTINEL_TLS)
 SENTINEL_EXAMPLE = "redis+sentinel://:password@host1:26379,host2:26379/mymaster/0"
 CLUSTER_EXAMPLE = "redis+cluster://:password@host1:7000,host2:7001"
 _QUERY = ("sentinel_password", "sentinel_username")
+TLS_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,10 @@ class MultiHostUrl:
     username: str | None = None
     password: str | None = None
     options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == SENTINEL_TLS
 
 
 def scheme_of(url: str) -> str:
@@ -53,7 +62,7 @@ def parse(url: str) -> MultiHostUrl:
     scheme = scheme_of(url)
     if scheme not in SCHEMES:
         raise ValueError(f"the scheme must be one of {', '.join(SCHEMES)}")
-    example = SENTINEL_EXAMPLE if scheme == SENTINEL else CLUSTER_EXAMPLE
+    example = SENTINEL_EXAMPLE if scheme in SENTINELS else CLUSTER_EXAMPLE
     rest = url.split("://", 1)[1]
     rest, _, query = rest.partition("?")
     at = rest.rfind("@")
@@ -75,13 +84,14 @@ def parse(url: str) -> MultiHostUrl:
         hosts.append((host.strip("[]"), int(port)))
     options: dict[str, str] = {}
     for name, values in parse_qs(query).items():
-        if scheme != SENTINEL or name not in _QUERY:
-            allowed = ", ".join(_QUERY) if scheme == SENTINEL else "none"
+        known = (*_QUERY, *TLS_QUERY) if scheme == SENTINEL_TLS else _QUERY if scheme == SENTINEL else ()
+        if name not in known:
+            allowed = ", ".join(known) or "none"
             raise ValueError(f"query parameter {name!r} is not known (allowed: {allowed})")
         options[name] = values[0]
     segments = [s for s in path.split("/") if s] if path else []
     service, db = "", 0
-    if scheme == SENTINEL:
+    if scheme in SENTINELS:
         if not segments:
             raise ValueError(f"the service name is missing (the path after the Sentinels), as in {example}")
         if len(segments) > 2:

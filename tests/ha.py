@@ -27,6 +27,7 @@ class Node:
         self.folder = folder
         self.args = args
         self.password = password  # the default user's
+        self.tls: tuple[Path, Path] | None = None  # (certificate, key): serves TLS only
         self.proc: subprocess.Popen[bytes] | None = None
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -38,7 +39,14 @@ class Node:
             if not path.exists():  # a Sentinel rewrites its file: keep what it learnt
                 path.write_text(config)
             argv.append(str(path))
-        argv += ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), *self.args]
+        if self.tls is None:
+            argv += ["--port", str(self.port)]
+        else:
+            cert, key = (str(p) for p in self.tls)
+            argv += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert,
+                     "--tls-key-file", key, "--tls-ca-cert-file", cert, "--tls-auth-clients", "no",
+                     "--tls-replication", "yes"]  # fmt: skip
+        argv += ["--bind", "127.0.0.1", "--dir", str(self.folder), *self.args]
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         client = self.client(timeout=0.5)
@@ -56,8 +64,14 @@ class Node:
             return False
 
     def client(self, timeout: float = 5.0) -> redis.Redis:
+        tls: dict[str, object] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls[0])}
         return redis.Redis(
-            port=self.port, password=self.password, socket_timeout=timeout, socket_connect_timeout=timeout
+            host="127.0.0.1",
+            port=self.port,
+            password=self.password,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            **tls,
         )
 
     def kill(self) -> None:
@@ -101,6 +115,7 @@ class SentinelSet:
         down_after_ms: int = 1000,
         password: str | None = None,
         sentinel_password: str | None = None,
+        tls: tuple[Path, Path] | None = None,
     ) -> None:
         """``password``: the data nodes' (requirepass); ``sentinel_password``: the Sentinels'."""
         self.binary = find_redis_server()
@@ -119,6 +134,8 @@ class SentinelSet:
             for i in range(3)
         ]
         self.down_after_ms = down_after_ms
+        for node in [*self.data, *self.sentinels]:
+            node.tls = tls
         self.password = password
         self.sentinel_password = sentinel_password
 
@@ -127,9 +144,21 @@ class SentinelSet:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         auth = f":{self.password}@" if self.password else ""
         query = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
-        return f"redis+sentinel://{auth}{hosts}/{SERVICE}/0{query}"
+        scheme = "redis+sentinel"
+        tls = self.data[0].tls
+        if tls is not None:
+            scheme = "rediss+sentinel"
+            query += ("&" if query else "?") + f"ssl_ca_certs={tls[0]}"
+        return f"{scheme}://{auth}{hosts}/{SERVICE}/0{query}"
 
     def start(self) -> SentinelSet:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # what did start is stopped by its pid
+            raise
+
+    def _start(self) -> SentinelSet:
         primary = self.data[0].start()
         for replica in self.data[1:]:
             replica.args = [*self.data_args, "--replicaof", "127.0.0.1", str(primary.port)]
@@ -266,6 +295,13 @@ class Cluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:2])
 
     def start(self) -> Cluster:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Cluster:
         for node in self.nodes:
             node.args = [*node.args, "--cluster-config-file", str(node.folder / "nodes.conf"),
                          "--cluster-port", str(free_port())]  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -352,5 +353,27 @@ def test_the_data_nodes_and_the_sentinels_passwords_come_from_the_url() -> None:
         with pytest.raises(RedisUnavailable) as info:
             connect(RedisSettings(url=wrong, outage_limit_s=1))
         assert "sentinel_password" in str(info.value) and "nope" not in str(info.value)
+    finally:
+        ha.stop()
+
+
+def test_sentinels_and_data_nodes_over_tls(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ha = SentinelSet(tls=(cert, key)).start()
+    try:
+        assert ha.url.startswith("rediss+sentinel://") and f"ssl_ca_certs={cert}" in ha.url
+        client = connect(RedisSettings(url=ha.url, outage_limit_s=30))
+        client.set("before", "1")
+        wait_for(lambda: ha.replicas_in_sync(1) and _offsets_equal(ha.primary()), timeout=10)
+        _, new = ha.fail_over_by_kill()
+        client.set("after", "1")
+        assert new.client().mget("before", "after") == [b"1", b"1"]
     finally:
         ha.stop()
