@@ -130,8 +130,8 @@ class Role(StrEnum):
     FEEDER = "feeder"
     JUDGE = "judge"
     METRICS = "metrics"
-
     ARCHIVER = "archiver"
+
 
 ROLES = tuple(Role)
 
@@ -229,12 +229,12 @@ class Keys:
     def filtered(self) -> str:
         return f"{self.base}:filtered"
 
-    @property
     def trained(self, task: str) -> str:
         """The trained log of a task: an entry per group the trainer committed (its id in
         the groups stream, the train step), for the archiver; capped at archive.keep."""
         return f"{self.base}:trained:{validate_name(task, 'task name')}"
 
+    @property
     def state(self) -> str:
         return f"{self.base}:state"
 
