@@ -68,7 +68,8 @@ end
 """
 
 # KEYS: source stream, progress hash, fence counter of the source, destination streams...
-# ARGV: group, consumer, number of entries k, k entry ids, progress fields...
+# ARGV: group, consumer, number of entries k, k entry ids, number of progress fields n that
+#       HINCRBY increments, those n fields, then the fields HINCRBYFLOAT increments
 # The gate of a settle of k entries of one stream (see streams.py), run between WATCH
 # fence and MULTI: returns 1 when every entry is still pending for this consumer and
 # the queued writes cannot fail. Otherwise it bumps the fence, which this very client
@@ -89,11 +90,24 @@ for i = 1, k do
   if #pending == 0 then lost[#lost + 1] = i end
 end
 if #lost > 0 then return refuse(lost) end
-for i = 4 + k, #ARGV do
+-- each counter as its command will read it: HINCRBY an integer (not '1.5', '0x10', ' 7',
+-- which tonumber() takes), HINCRBYFLOAT a finite number; else EXEC would fail it after
+-- the appends, acks and deletes before it had run
+local integers = 5 + k + tonumber(ARGV[4 + k])
+for i = 5 + k, #ARGV do
   local count = redis.pcall('HGET', KEYS[2], ARGV[i])
   if type(count) == 'table' and count.err then return refuse(count) end
-  if count and not tonumber(count) then
-    return refuse(redis.error_reply('progress field ' .. ARGV[i] .. ' is not a number: ' .. count))
+  if count then
+    local ok
+    if i < integers then
+      ok = #count <= 20 and string.match(count, '^%-?%d+$')
+    else
+      local n = tonumber(count)
+      ok = n and n == n and n ~= math.huge and n ~= -math.huge and not string.find(count, '%s')
+    end
+    if not ok then
+      return refuse(redis.error_reply('progress field ' .. ARGV[i] .. ' is not a number: ' .. count))
+    end
   end
 end
 for i = 4, #KEYS do

@@ -303,9 +303,11 @@ class ConsumerStreams:
                 counts[name] = counts.get(name, 0) + amount
         logs = [s.log[0] for s in settles if s.log]
         dests = list(dict.fromkeys([*(s.dest for s in settles if s.dest), *logs]))
+        integers = [name for name, amount in counts.items() if isinstance(amount, int)]
+        floats = [name for name, amount in counts.items() if not isinstance(amount, int)]
         gate = (
             "EVAL", SETTLE_GATE, 3 + len(dests), stream, self.keys.progress, fence, *dests,
-            group, self.consumer, len(ids), *ids, *counts,
+            group, self.consumer, len(ids), *ids, len(integers), *integers, *floats,
         )  # fmt: skip
         writes: list[tuple[Any, ...]] = []
         for s in settles:

@@ -8,7 +8,8 @@ import pytest
 import redis
 
 from rollstream.shared.buffer import Batch, ReplayBuffer
-from rollstream.shared.keys import GROUPS, TRAINER
+from rollstream.shared.errors import CorruptValueError
+from rollstream.shared.keys import GROUPS, PRODUCERS, TRAINER
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts, wait_idle
 
@@ -61,3 +62,18 @@ def test_a_reclaim_that_dead_letters_a_group_checks_groups_dead_before_writing(
     assert other.client.xlen(other.keys.groups("math")) == 1
     assert pending_for(other, "t1") == 1
     assert other.client.hget(other.keys.progress, "math:dead") is None
+
+
+@pytest.mark.parametrize(("field", "value"), [("math:completed", "1.5"), ("math:reward_sum", "inf")])
+def test_a_settle_on_a_counter_its_transaction_would_refuse_writes_nothing(
+    real_buffer: BufferFactory, field: str, value: str
+) -> None:
+    producer = real_buffer("producer")
+    producer.feed(prompts("math", 1))
+    (claim,) = producer.claim("math", 1)
+    producer.client.hset(producer.keys.progress, field, value)
+    # the gate refuses it, naming the counter: no group written, the claim still pending
+    with pytest.raises(CorruptValueError, match=field):
+        producer.complete(claim, group_for(claim.prompt))
+    assert producer.client.xlen(producer.keys.groups("math")) == 0
+    assert producer.client.xpending(producer.keys.prompts("math"), PRODUCERS)["pending"] == 1
