@@ -214,7 +214,7 @@ def long_run(url: str, producers: int, groups: int, seconds: float) -> dict[str,
     t0 = trace.steps[0][0]
     done = trace.steps[-1][1]
     elapsed = trace.steps[-1][0] - t0
-    warm = [m for m in trace.memory if m[0] - t0 >= min(10.0, elapsed / 10)]
+    warm = [m for m in trace.memory if m[0] - t0 >= min(10.0, elapsed / 10)] or trace.memory[-1:]
     first, last = warm[0], trace.memory[-1]
     return {
         "producers": producers,
