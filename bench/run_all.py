@@ -52,7 +52,7 @@ def main() -> int:
     seconds: dict[str, float] = {}
     failed = []
     for name, options in BENCHES.items():
-        if name in args.skip:
+        if name in args.skip or (args.only is not None and name not in args.only):
             continue
         command = [
             sys.executable,
@@ -380,6 +380,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="every benchmark at its smoke size")
     parser.add_argument("--skip", nargs="*", default=[], choices=list(BENCHES), help="benchmarks not to run")
+    parser.add_argument(
+        "--only", nargs="*", default=None, choices=list(BENCHES),
+        help="run only these benchmarks (none: run nothing, gather and print the results there are)",
+    )  # fmt: skip
     return parser.parse_args()
 
 
