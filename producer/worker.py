@@ -203,8 +203,7 @@ class Producer:
                 await self._settled(stop)
         finally:
             for task in background:
-                task.cancel()
-            await self._stop_beats()
+                task.cancel()  # the heartbeat thread beats on through the stop (see _shutdown)
             await self._shutdown(self.settings.process.stop_timeout_s / 2)
             if agent_shutdown is not None:
                 await agent_shutdown()
@@ -474,8 +473,11 @@ class Producer:
                     failed.result()
                 if self._open.is_set():
                     await self.pool.sync_weights(self.model_step, mode=self.settings.rollout.on_weight_sync)
-        finally:
+        except asyncio.CancelledError:
+            raise  # the stop: the thread beats on while in-flight groups finish (_shutdown)
+        except BaseException:
             self._beats_stop.set()
+            raise
 
     def _beat(self) -> None:
         """One beat, in the heartbeat thread: the state hash's heartbeat, the liveness key,
@@ -536,7 +538,15 @@ class Producer:
         (partial mode keeps its tokens) and settles into the aborted pool; whatever is
         left after that (a group waiting on its judge) is cancelled, which hands its
         claim back too. Nothing is lost either way: an unsettled claim stays pending and
-        is reclaimed by another producer."""
+        is reclaimed by another producer. The heartbeat thread beats until the end: while
+        a warm stop waits for its groups, this producer stays alive and its claims held."""
+        try:
+            await self._drain(grace_s)
+        finally:
+            await self._stop_beats()
+        self.control.forget(self.name)  # the liveness key is its owner's to clear
+
+    async def _drain(self, grace_s: float) -> None:
         if self.inflight and self.settings.rollout.on_weight_sync != "partial":
             await self._until_cold(self.inflight, grace_s)
         pending = [t for t in self.inflight if not t.done()]
@@ -554,4 +564,3 @@ class Producer:
             elif not task.cancelled():
                 log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
             self.inflight.pop(task)
-        self.control.forget(self.name)  # the liveness key is its owner's to clear

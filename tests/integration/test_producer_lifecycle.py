@@ -4,6 +4,7 @@ from a dead one, and what keeps it alive while its event loop is busy."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,7 +52,8 @@ class Running:
 
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None:
-            self.loop.call_soon_threadsafe(self._stop.set)
+            with contextlib.suppress(RuntimeError):  # its loop closed: it stopped already
+                self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=60)
         assert not self._thread.is_alive(), "the producer did not stop"
         if self.error is not None:
@@ -344,3 +346,32 @@ def test_a_weight_sync_while_paused_does_not_spin_the_loop(
     producer.buffer.feed(prompts("math", 2))
     producer.control.publish(RESUME)
     wait_for(lambda: producer.stats.outcomes.get("completed") == 2, timeout=15)
+
+
+@pytest.mark.timeout(90)
+def test_a_warm_stop_keeps_the_producer_alive_and_its_claims_while_its_groups_finish(
+    redis_server: EmbeddedRedis, run_name: str, run_producer: Callable[[Producer], Running]
+) -> None:
+    JUDGING.clear()
+    RELEASE.clear()
+    judge = f"{__name__}:HeldJudge"
+    producer = live_producer(
+        redis_server, run_name, producer={"judge": judge}, rollout={"on_weight_sync": "drain"}
+    )
+    producer.settings.process.stop_timeout_s = 60  # a warm stop that waits long for its groups
+    thief = ReplayBuffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
+    producer.buffer.feed(prompts("math", 1))
+    running = run_producer(producer)
+    try:
+        # Given a group in flight (its judge holds it) when the producer's warm stop begins
+        assert JUDGING.wait(30)
+        assert running.loop is not None and running._stop is not None
+        running.loop.call_soon_threadsafe(running._stop.set)
+        # Then, while the stop waits for the group (longer than the liveness TTL and
+        # claim_idle_ms), its liveness key stays and nobody reclaims its claim
+        assert throughout(1.5, alive_and_holding(producer, thief)) > 5
+    finally:
+        RELEASE.set()
+    # and the group it finished lands
+    wait_for(lambda: producer.stats.outcomes.get("completed") == 1, timeout=30)
+    assert producer.buffer.client.xlen(producer.buffer.keys.groups("math")) == 1
