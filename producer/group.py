@@ -487,7 +487,10 @@ class GroupRunner:
             return fixed
         if len(self.recent_s) < DYNAMIC_TIMEOUT_AFTER:
             return None
-        return self.settings.producer.timeout_ratio * statistics.fmean(self.recent_s)
+        p = self.settings.producer
+        # never below the floor: groups of a few ms made it a few ms, and the first outage
+        # or busy moment then failed every group in flight ("timed out after 0.0 s")
+        return max(p.min_timeout_s, p.timeout_ratio * statistics.fmean(self.recent_s))
 
     # --- judge -------------------------------------------------------------------------
 

@@ -400,6 +400,9 @@ class ProducerSettings(BaseModel):
     should_continue: str = Field(default="below_target", description="sync mode: keep producing a batch?")
     group_timeout_s: float = Field(default=0.0, ge=0, description="per-attempt timeout; 0 = dynamic")
     timeout_ratio: float = Field(default=4.0, gt=1, description="dynamic timeout = ratio x mean group time")
+    min_timeout_s: float = Field(
+        default=30.0, gt=0, description="the dynamic timeout's floor (fast groups made it a few ms)"
+    )
     heartbeat_s: float = Field(default=2.0, gt=0)
     sync_timeout_s: float = Field(default=30.0, gt=0, description="wait for engines to confirm a weight sync")
     # The agent loop that makes each trajectory (producer/agents): single_turn is one response

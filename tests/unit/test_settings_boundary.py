@@ -81,7 +81,7 @@ def test_an_unknown_top_level_variable_lists_the_settings(monkeypatch: pytest.Mo
     assert one_line() == (
         "invalid setting foo (ROLLSTREAM_FOO): is not a setting, got '1'; "
         "the settings are: run, redis, tasks, buffer, engines, rollout, producer, ray, process, log, "
-        "metrics, algorithm"
+        "metrics, algorithm, weights, archive"
     )
 
 
