@@ -338,7 +338,7 @@ def test_attempts_past_the_group_timeout_are_aborted_and_retried(make_producer: 
 
 
 def test_dynamic_timeout_follows_recent_group_times(make_producer: ProducerFactory) -> None:
-    runner = make_producer(producer={"group_timeout_s": 0, "timeout_ratio": 3}).runner
+    runner = make_producer(producer={"group_timeout_s": 0, "timeout_ratio": 3, "min_timeout_s": 1}).runner
     assert runner.timeout_s() is None  # not enough seen yet
     runner.recent_s.extend([1.0, 2.0, 3.0] * 3)
     assert runner.timeout_s() == pytest.approx(6.0)
