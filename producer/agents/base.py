@@ -18,7 +18,9 @@ producer hands them back to the aborted pool, in partial mode with what they kep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -328,10 +330,33 @@ class Trajectory:
 async def call(function: Callable[..., Any], *args: Any) -> Any:
     """A plug-in's method, a coroutine function or a plain one: a plain one runs in a
     thread, so that a slow environment never stalls the producer's event loop (its
-    heartbeats, its other groups)."""
+    heartbeats, its other groups). The thread is a daemon of its own, not the loop's
+    executor's, which asyncio.run waits for at its end: an environment call that never
+    returns kept a stopped producer from exiting, its group handed back long before."""
     if asyncio.iscoroutinefunction(function):
         return await function(*args)
-    return await asyncio.to_thread(function, *args)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # given up (its group was cancelled)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as exc:
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone
+            loop.call_soon_threadsafe(settle, result, error)
+
+    name = getattr(function, "__qualname__", "call")
+    threading.Thread(target=run, name=f"plug-in {name}", daemon=True).start()
+    return await future
 
 
 async def gather_or_fail(coroutines: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
