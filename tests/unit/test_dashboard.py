@@ -17,7 +17,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "rollstream.json"
 NAME = re.compile(r"\brollstream_[a-z0-9_]+\b")
 # the labels the code gives (and Prometheus' own: job, instance; histograms' le)
-LABELS = {"run", "task", "role", "engine", "outcome", "le", "job", "instance"}
+LABELS = {"run", "task", "role", "engine", "outcome", "set", "le", "job", "instance"}
 
 
 def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
@@ -78,6 +78,9 @@ def test_the_panels_an_operator_looks_at_are_there() -> None:
         "engine busy": "rollstream_engine_busy_ratio",
         "reward": "rollstream_trainer_reward_mean",
         "KL": "rollstream_trainer_kl",
+        "archive lag": "rollstream_archive_lag_entries",
+        "archive trimmed": "rollstream_archive_trimmed_total",
+        "archive rows": "rollstream_archive_rows_total",
     }
     missing = {what: name for what, name in wanted.items() if name not in used}
     assert not missing, missing
@@ -96,4 +99,4 @@ def test_the_provisioning_files_point_at_the_dashboard_and_prometheus() -> None:
     assert source["datasources"][0]["type"] == "prometheus"
     scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = [t for c in scrape["scrape_configs"] for s in c["static_configs"] for t in s["targets"]]
-    assert len(targets) == 7  # the Procfile's processes but redis, two producers (`-c producer=2`)
+    assert len(targets) == 8  # the Procfile's processes but redis, two producers (`-c producer=2`)

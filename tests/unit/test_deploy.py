@@ -127,7 +127,7 @@ def test_every_rollstream_command_in_deploy_is_one_the_cli_accepts(
     found = commands()
     used = {argv[0] for _, argv in found if argv}
     # every process of a run appears somewhere: the search itself works
-    assert {"engines", "produce", "judge", "feed", "train", "metrics", "check", "status"} <= used, used
+    assert {"engines", "produce", "judge", "feed", "train", "metrics", "archive", "check", "status"} <= used, used
     parser = build_parser()
     bad = []
     for where, argv in found:
