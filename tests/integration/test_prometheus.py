@@ -78,14 +78,23 @@ class Prometheus:
             stderr=subprocess.STDOUT,
         )
         self.url = f"http://127.0.0.1:{self.port}"
+        self.jobs = set(targets)
 
     def ready(self) -> bool:
+        """Serving queries and scraping every target (up or not yet): Prometheus applies
+        its targets at its first discovery reload, some 5 s after it is ready, and a
+        process started before that went unscraped for its first seconds (a 6-step
+        trainer was seen at only two of its counts)."""
         assert self.proc.poll() is None, "prometheus exited: see prometheus.log"
         try:
             with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as reply:
-                return bool(reply.status == 200)
+                if reply.status != 200:
+                    return False
+            targets = get(f"{self.url}/api/v1/targets?state=active")["data"]["activeTargets"]
         except OSError:
             return False
+        scraped = {t["labels"]["job"] for t in targets if not t["lastScrape"].startswith("0001-")}
+        return scraped == self.jobs
 
     def query(self, promql: str) -> list[Any]:
         try:
