@@ -113,6 +113,9 @@ class BatchReader:
             except redis.RedisError as exc:  # an outage past redis.outage_limit_s: try again
                 log.warning("could not refresh the %d groups this trainer holds: %s", len(held), exc)
                 continue
+            except Exception:  # said, and tried again: a keeper that died would say nothing
+                log.exception("could not refresh the %d groups this trainer holds", len(held))
+                continue
             if lost:
                 log.warning(
                     "%d groups read by %s were taken over by another trainer consumer: %s",
