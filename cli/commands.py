@@ -380,8 +380,7 @@ def engines(
             log.info("engines: %d engines, as `rollstream engines scale` asked (engines.count is %d)",
                      wanted, settings.engines.count)  # fmt: skip
             settings = with_engine_count(settings, wanted)
-        gcs = init_ray(address, local=True)
-        stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
+        gcs = join_ray(address, stop, local=True)
         log.info("engines: Ray cluster at %s%s", gcs, "" if address else " (started by this process)")
         pool.append(EnginePool.start(settings, detached=not foreground))
         unwatch = telemetry.register(
@@ -617,6 +616,35 @@ def engines_scale(
     return 0
 
 
+def join_ray(address: str, stop: threading.Event, *, local: bool = False) -> str:
+    """``init_ray`` for a process that a process manager stops with SIGTERM: SIGTERM and
+    SIGINT stay this process's own (``stop_on_signals``) during ``ray.init`` and after
+    ``ray.shutdown``; returns the cluster's GCS address.
+
+    ``ray.init`` first installs a SIGTERM handler of its own (``sys.exit(15)``: a SIGTERM
+    during the seconds it takes ended the process with status 15), and Ray's core worker
+    then its failure-signal handler, which prints a stack trace for a SIGTERM and, when
+    ``ray.shutdown`` removes it, leaves SIGTERM at its default action while Python still
+    names our handler: a process manager's SIGTERM after the shutdown (the wait for the
+    run's other processes at the end of a run) killed the process (rc -15). Neither is
+    installed here."""
+    import ray._private.ray_constants as ray_constants
+    import ray._private.utils as ray_utils
+
+    from rollstream.producer.pool import init_ray
+
+    install = getattr(ray_utils, "set_sigterm_handler", None)
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True  # read when the core worker starts
+    if install is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        return init_ray(address, local=local)
+    finally:
+        if install is not None:
+            ray_utils.set_sigterm_handler = install
+        stop_on_signals(stop)
+
+
 def produce(
     settings: Settings, *, burst: bool, local_engines: bool, address: str | None, stop: threading.Event
 ) -> int:
@@ -624,7 +652,7 @@ def produce(
     has no work it may take)."""
     import asyncio
 
-    from rollstream.producer.pool import BasePool, EnginePool, LocalPool, PoolError, init_ray
+    from rollstream.producer.pool import BasePool, EnginePool, LocalPool, PoolError
     from rollstream.producer.worker import Producer
 
     with running(settings, Role.PRODUCER, stop, heartbeat=False, follow=False, mode=settings.rollout.mode,
@@ -638,8 +666,7 @@ def produce(
             ray_address = address or settings.ray.address or _recorded_ray_address(process)
             if not ray_address:
                 return 0
-            init_ray(ray_address)
-            stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
+            join_ray(ray_address, stop)
             pool = EnginePool.attach(
                 serving_settings(settings, process.client), settings.process.wait_timeout_s, stop
             )
@@ -674,6 +701,7 @@ def produce(
             import ray
 
             ray.shutdown()  # while the engines' cluster still runs: it waits for producers
+            stop_on_signals(stop)  # and SIGTERM stays ours for the wait for the others that follows
         if moved.is_set():
             raise PoolError(
                 f"the run's engines moved to another Ray cluster ({process.control.ray_address()}); "
