@@ -2,11 +2,14 @@
 files (Compose, Kubernetes, Slurm, systemd, and the commands of its READMEs) parses
 with the CLI, every `ROLLSTREAM_*` variable is a setting and its value valid; the
 Compose file is valid against the Compose specification's schema, the built-in
-Kubernetes objects against Kubernetes' own, and the KubeRay / KEDA objects are checked
-for what rollstream relies on (no cluster needed)."""
+Kubernetes objects against Kubernetes' own, the KubeRay / KEDA objects against their
+CRDs' schemas (vendored in deploy/k8s/schemas) and for what rollstream relies on (no
+cluster needed)."""
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 import shlex
 import subprocess
@@ -127,7 +130,8 @@ def test_every_rollstream_command_in_deploy_is_one_the_cli_accepts(
     found = commands()
     used = {argv[0] for _, argv in found if argv}
     # every process of a run appears somewhere: the search itself works
-    assert {"engines", "produce", "judge", "feed", "train", "metrics", "archive", "check", "status"} <= used, used
+    wanted = {"engines", "produce", "judge", "feed", "train", "metrics", "archive", "check", "status"}
+    assert wanted <= used, used
     parser = build_parser()
     bad = []
     for where, argv in found:
@@ -214,9 +218,69 @@ def test_the_kubernetes_objects_are_valid() -> None:
     assert {"StatefulSet", "Secret", "Deployment", "Job", *custom} <= kinds
 
 
+# The custom objects' CRD schemas (openAPIV3Schema of the version used, descriptions
+# removed), vendored from KubeRay and KEDA: deploy/k8s/schemas/README.md
+CRD_SCHEMAS = {
+    ("ray.io/v1", "RayCluster"): "ray.io_v1_raycluster.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_v1alpha1_scaledobject.json",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): "keda.sh_v1alpha1_triggerauthentication.json",
+}
+
+
+def strict(schema: Any) -> Any:
+    """A CRD schema as the API server's strict field validation reads it (kubectl's
+    default since 1.27: an unknown field is an error): every object schema with
+    properties, unless it preserves unknown fields, allows no others."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    preserves = out.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in out and "additionalProperties" not in out and not preserves:
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_errors(obj: dict[str, Any]) -> list[str]:
+    import jsonschema
+
+    name = CRD_SCHEMAS[(obj["apiVersion"], obj["kind"])]
+    schema = strict(json.loads((DEPLOY / "k8s" / "schemas" / name).read_text()))
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message[:300]}" for e in validator.iter_errors(obj)]
+
+
+def test_the_custom_objects_are_valid_against_their_crd_schemas() -> None:
+    require("jsonschema", "test", load=False)
+    custom = [(where, o) for where, o in kubernetes_objects() if (o["apiVersion"], o["kind"]) in CRD_SCHEMAS]
+    assert {o["kind"] for _, o in custom} == {kind for _, kind in CRD_SCHEMAS}
+    for where, obj in custom:
+        errors = crd_errors(obj)
+        assert not errors, f"{where}: {obj['kind']} {obj['metadata']['name']}:\n" + "\n".join(errors)
+
+
+def test_the_crd_check_catches_a_misspelt_field_and_a_wrong_type() -> None:
+    require("jsonschema", "test", load=False)
+    objects = {o["kind"]: o for _, o in kubernetes_objects()}
+    ray_cluster = copy.deepcopy(objects["RayCluster"])
+    group = ray_cluster["spec"]["workerGroupSpecs"][0]
+    group["replica"] = group.pop("replicas")  # RayCluster has no `replica`
+    assert any("replica" in e for e in crd_errors(ray_cluster))
+    ray_cluster = copy.deepcopy(objects["RayCluster"])
+    ray_cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # a string map
+    assert crd_errors(ray_cluster)
+    scaled = copy.deepcopy(objects["ScaledObject"])
+    scaled["spec"]["maxReplicas"] = "ten"
+    assert any("maxReplicas" in e for e in crd_errors(scaled))
+    scaled = copy.deepcopy(objects["ScaledObject"])
+    scaled["spec"]["triggers"][0]["authRef"] = scaled["spec"]["triggers"][0].pop("authenticationRef")
+    assert crd_errors(scaled)
+
+
 def test_the_custom_objects_hold_together() -> None:
-    """What rollstream relies on in the KubeRay and KEDA objects (their CRD schemas are
-    not kept here): the Ray address the settings name is the RayCluster's head service,
+    """What rollstream relies on in the KubeRay and KEDA objects, beyond their CRD
+    schemas: the Ray address the settings name is the RayCluster's head service,
     worker nodes offer the resource the engines ask for, token authentication is on,
     and KEDA scales the producers on the prompts stream that rollstream names."""
     objects = {(o["kind"], o["metadata"]["name"]): o for _, o in kubernetes_objects()}
