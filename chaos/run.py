@@ -7,17 +7,20 @@ and an account of every prompt taken from the trainer's own record.
 
 Processes: redis-server (deploy/redis.conf, append-only file, appendfsync always: see
 "Durability" in the README), the engines process (2 simulated engines in Ray actors),
-the feeder, 2 producers, the rq judge worker, and the reference trainer with
+the feeder, 2 producers, the rq judge worker, the archiver (archive.keep set: the
+trainer's commit logs each trained group for it), and the reference trainer with
 ``--record``, which appends each step's groups before its commit and the commit after
-it. Faults: kill -9 of a producer, the trainer, the feeder, the judge worker, an engine
-actor; SIGSTOP of a producer past claim_idle_ms, then SIGCONT; kill -9 of redis-server,
+it. Faults: kill -9 of a producer, the trainer, the feeder, the judge worker, the
+archiver, an engine actor; SIGSTOP of a producer past claim_idle_ms, then SIGCONT; kill -9 of redis-server,
 restarted from its append-only file; kill -9 of the trainer 4 times within one step
 (each time it has read its batch again), which must dead-letter no group.
 
 Every fed prompt ends up in exactly one row of the table: trained once, trained again
 after a step that was never committed, trained twice with both steps committed (a
 failure), dead-lettered (with the reason), still pending (and where), or lost (a
-failure). Staleness violations come from the versions the trainer decoded, not from
+failure). Every group the trainer committed is in the archive's Parquet files exactly
+once (read back with pyarrow): one archived twice, or not at all, is a failure.
+Staleness violations come from the versions the trainer decoded, not from
 tags in Redis. Writes report.json and timeline.png to --out.
 """
 
@@ -57,8 +60,13 @@ STEPS_BETWEEN_FAULTS = (2, 4)  # train steps from one fault to the next, at rand
 CLAIM_IDLE_MS = 3000
 FAULTS = (
     "kill_producer", "kill_trainer", "kill_feeder", "kill_judge", "kill_engine_actor",
-    "stop_producer", "kill_redis", "kill_trainer_repeatedly",
+    "stop_producer", "kill_redis", "kill_trainer_repeatedly", "kill_archive",
 )  # fmt: skip
+# The archive: the trained log holds at most this many unarchived groups (more than a run
+# trains, so none is trimmed and every trained group must be archived), files are closed
+# every FLUSH_S so that a kill -9 of the archiver lands between its writes and its acks.
+ARCHIVE_KEEP = 100_000
+ARCHIVE_FLUSH_S = 1.0
 # kill_trainer_repeatedly: kill -9 the trainer each time it has read its batch again, before
 # its commit, this many times within one step: more than buffer.max_attempts (3). A kill
 # from outside is not a poison group: the step is redone on the same groups, none
@@ -113,6 +121,7 @@ class Chaos:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.keys = Keys(self.run)
         self.record = self.out / "trainer.record.jsonl"
+        self.archive_dir = self.out / "archive"
         self.rng = random.Random(self.seed)
         self.env = self._env()
         self.children: dict[str, Child] = {}
@@ -146,6 +155,9 @@ class Chaos:
             ROLLSTREAM_PRODUCER__MAX_INFLIGHT="16",
             ROLLSTREAM_PROCESS__STOP_TIMEOUT_S="5",
             ROLLSTREAM_PROCESS__WAIT_TIMEOUT_S="300",
+            ROLLSTREAM_ARCHIVE__KEEP=str(ARCHIVE_KEEP),
+            ROLLSTREAM_ARCHIVE__DIR=str(self.archive_dir),
+            ROLLSTREAM_ARCHIVE__FLUSH_S=str(ARCHIVE_FLUSH_S),
         )
         return env
 
@@ -188,6 +200,7 @@ class Chaos:
             ("producer-0", lambda: [*rs, "produce"]),
             ("producer-1", lambda: [*rs, "produce"]),
             ("judge", lambda: [*rs, "judge"]),
+            ("archive", lambda: [*rs, "archive"]),
             ("trainer", self._trainer_argv),
         ]
         return [Child(name, argv, self.out / f"{name}.log") for name, argv in specs]
@@ -306,9 +319,10 @@ class Chaos:
                 proc = child.proc
                 threading.Timer(CLAIM_IDLE_MS * 1.5 / 1000, lambda: _cont(proc)).start()
         else:
-            name = {"kill_trainer": "trainer", "kill_feeder": "feeder", "kill_judge": "judge"}.get(
-                fault, self.rng.choice(["producer-0", "producer-1"])
-            )
+            name = {
+                "kill_trainer": "trainer", "kill_feeder": "feeder", "kill_judge": "judge",
+                "kill_archive": "archive",
+            }.get(fault, self.rng.choice(["producer-0", "producer-1"]))  # fmt: skip
             child = self.children[name]
             if child.alive and child.proc is not None:
                 child.proc.kill()
@@ -373,6 +387,27 @@ class Chaos:
             self.note("kill -9", f"engine actor (pid {pid})")
 
     # --- the end ---------------------------------------------------------------------
+
+    def drain_archive(self, timeout_s: float = 60.0) -> bool:
+        """Before the run's stop: the archiver (restarted if a fault left it down, the
+        supervisor no longer running) until the trained log is empty, every trained group
+        archived; True when it was in time."""
+        deadline = time.monotonic() + timeout_s
+        child = self.children.get("archive")
+        while time.monotonic() < deadline:
+            if child is not None and not child.alive:
+                if child.proc is not None and child.exited_at is None:
+                    child.exits.append(child.proc.returncode)
+                child.restarts += 1
+                child.start(self.env)
+                self.note("restart", "archive, to archive the run's last steps")
+            try:
+                if self.client().xlen(self.keys.trained(TASK)) == 0:
+                    return True
+            except redis.RedisError:
+                pass
+            time.sleep(0.2)
+        return False
 
     def stop(self) -> None:
         """The run's stop event, then SIGTERM and SIGKILL for whatever is left."""
@@ -498,6 +533,7 @@ def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
             rows["lost"] += 1
     completed = progress.get(progress_field(TASK, Count.COMPLETED), 0.0)
     expired = progress.get(progress_field(TASK, Count.EXPIRED), 0.0)
+    archive = archived(chaos.archive_dir / "trained", {g for g, n in times.items() if n >= 1})
     faults = Counter(
         _fault_name(kind, detail) for _, kind, detail in chaos.timeline if kind in ("kill -9", "SIGSTOP")
     )
@@ -514,6 +550,32 @@ def account(chaos: Chaos, finished: bool) -> dict[str, Any]:
         "expired_per_completed": round(expired / completed, 4) if completed else 0.0,
         "faults": dict(faults),
         "restarts": {c.name: c.restarts for c in chaos.children.values()},
+        "archive": archive,
+    }
+
+
+def archived(folder: Path, trained: set[str]) -> dict[str, int]:
+    """The archive's trained file set against the groups the trainer committed: each one
+    archived exactly once (every sample in one row), none missing."""
+    import pyarrow.dataset as ds
+
+    rows: Counter[tuple[str, int]] = Counter()
+    if folder.exists():
+        table = ds.dataset(str(folder), format="parquet").to_table(columns=["group_id", "sample_index"])
+        rows.update(
+            zip(table.column("group_id").to_pylist(), table.column("sample_index").to_pylist(), strict=True)
+        )
+    groups = {g for g, _ in rows}
+    return {
+        "trained_groups": len(trained),
+        "archived_groups": len(groups),
+        "archived_once": len(trained & groups)
+        - len({g for (g, _), n in rows.items() if n > 1 and g in trained}),
+        "archived_twice": len({g for (g, _), n in rows.items() if n > 1}),
+        "trained_not_archived": len(trained - groups),
+        # archived, and not in the trainer's record as committed: a commit that landed
+        # while the trainer was killed before it recorded it (not a failure of the archive)
+        "archived_not_in_record": len(groups - trained),
     }
 
 
@@ -577,6 +639,11 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"  {row:40} {result['rows'].get(row, 0):>6}{extra}")
     lines.append(f"{'staleness violations':42} {result['staleness_violations']:>6}")
     lines.append(f"{'expired per completed group':42} {result['expired_per_completed']:>6.3f}")
+    archive = result["archive"]
+    lines.append(f"{'trained groups archived exactly once':42} {archive['archived_once']:>6}")
+    lines.append(f"  {'archived twice':40} {archive['archived_twice']:>6}")
+    lines.append(f"  {'trained, not archived':40} {archive['trained_not_archived']:>6}")
+    lines.append(f"  {'archived, not in the trainer record':40} {archive['archived_not_in_record']:>6}")
     return "\n".join(lines)
 
 
@@ -622,8 +689,10 @@ def main(argv: list[str] | None = None) -> int:
         return lost_run(chaos, deadline)
     try:
         finished = chaos.supervise(deadline)
+        drained = chaos.drain_archive()
         chaos.stop()
         result = account(chaos, finished)
+        result["archive"]["drained"] = drained
     finally:
         chaos.stop()
         chaos.shutdown_redis()
@@ -632,6 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report(result))
     ok = result["finished"] and result["lost"] == 0 and result["trained_twice_both_committed"] == 0
     ok = ok and result["groups_dead_for_deliveries"] == 0
+    archive = result["archive"]
+    ok = ok and archive["drained"] and archive["archived_twice"] == 0 and archive["trained_not_archived"] == 0
+    ok = ok and archive["archived_once"] == archive["trained_groups"]
     return 0 if ok and result["staleness_violations"] == 0 else 1
 
 

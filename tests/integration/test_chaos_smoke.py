@@ -1,7 +1,8 @@
 """The chaos suite's short mixed-fault run: kill -9 of producers, the trainer, the
-feeder, the judge worker, an engine actor and redis-server, and a producer stopped past
-claim_idle_ms, under a supervisor that restarts what exits. Nothing lost, nothing
-trained twice with both steps committed, no staleness violation, and the run finishes."""
+feeder, the judge worker, the archiver, an engine actor and redis-server, and a producer
+stopped past claim_idle_ms, under a supervisor that restarts what exits. Nothing lost,
+nothing trained twice with both steps committed, no staleness violation, every trained
+group archived exactly once, and the run finishes."""
 
 from __future__ import annotations
 
@@ -35,3 +36,11 @@ def test_a_mixed_fault_run_loses_nothing_and_finishes(tmp_path: Path) -> None:
     # and faults really happened, the supervisor restarting what they killed
     assert sum(result["faults"].values()) >= 5
     assert result["restarts"]["redis"] >= 1 or "kill -9 redis-server" not in result["faults"]
+    # the archive (read back with pyarrow): every committed group in it exactly once
+    archive = result["archive"]
+    assert result["faults"].get("kill -9 archive", 0) >= 1, result["faults"]
+    assert archive["drained"] is True
+    assert archive["trained_groups"] > 0
+    assert archive["archived_once"] == archive["trained_groups"], archive
+    assert archive["archived_twice"] == 0, archive
+    assert archive["trained_not_archived"] == 0, archive
