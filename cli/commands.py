@@ -792,6 +792,7 @@ def judge(settings: Settings, *, stop: threading.Event, burst: bool = False) -> 
 
     from rq import Queue
     from rq.serializers import JSONSerializer
+    from rq.worker import WorkerStatus
 
     from rollstream.producer.judges.rq import JUDGE_QUEUE, JudgeWorker
     from rollstream.shared.connection import refuse_on_cluster
@@ -803,16 +804,33 @@ def judge(settings: Settings, *, stop: threading.Event, burst: bool = False) -> 
         queue = Queue(JUDGE_QUEUE, connection=process.client, serializer=JSONSerializer)
         worker = JudgeWorker([queue], connection=process.client, serializer=JSONSerializer)
 
+        worked = threading.Event()
+
         def hand_over() -> None:
             stop.wait()
             if process.run_stopped:  # producers still wait on their last judge jobs
                 wait_until_gone(process, (Role.PRODUCER,))
-            os.kill(os.getpid(), signal.SIGTERM)
+            # to rq's own SIGTERM handler (a warm stop), once its work loop listens: a stop
+            # that came while the worker was starting was taken by ours, and the worker then
+            # judged on, beating, for ever (every other process of the run waited for it)
+            while not worked.is_set():
+                if signal.getsignal(signal.SIGTERM) == worker.request_stop and worker.get_state() in (
+                    WorkerStatus.IDLE, WorkerStatus.BUSY,
+                ):  # fmt: skip
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+                worked.wait(0.05)
 
         threading.Thread(target=hand_over, daemon=True).start()
         # rq logs four lines per job at INFO: only with -v
         level = logging.getLogger().level
-        worker.work(burst=burst, logging_level="DEBUG" if level <= logging.DEBUG else "WARNING")
+        try:
+            worker.work(burst=burst, logging_level="DEBUG" if level <= logging.DEBUG else "WARNING")
+        finally:
+            worked.set()
+        # rq leaves its cold-stop handler (SystemExit) on SIGTERM: a process manager's SIGTERM
+        # during the wait for the run's other processes that follows cut that wait short
+        stop_on_signals(stop)
         log.info("judge: worker %s stopped", worker.name)
     return 0
 

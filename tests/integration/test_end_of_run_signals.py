@@ -1,6 +1,7 @@
-"""A process of the run that uses Ray keeps SIGTERM its own: a process manager's SIGTERM
-while it joins the Ray cluster, or after it left it (waiting at the end of a run for the
-others to stop), is a stop, never death by signal or Ray's sys.exit(15)."""
+"""A process of the run keeps SIGTERM its own through the end of a run: a process manager's
+SIGTERM while it joins the Ray cluster, after it left it, or after its rq worker stopped
+(waiting for the run's other processes to stop) is a stop, never death by signal, Ray's
+sys.exit(15) or rq's cold shutdown."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import redis
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import STOP, RunControl
 from rollstream.shared.keys import Keys
-from rollstream.shared.liveness import Liveness
+from rollstream.shared.liveness import Liveness, live_processes
 from tests.helpers import rollstream, wait_for
 from tests.integration.test_processes import env_for
 
@@ -97,3 +98,44 @@ def test_sigterm_while_the_producer_joins_ray_is_a_clean_stop(
     assert "SIGTERM received" in producer.log()
     engines.proc.send_signal(signal.SIGTERM)
     assert engines.proc.wait(timeout=120) == 0, engines.log()[-3000:]
+
+
+def test_the_runs_stop_while_the_judge_starts_ends_it(
+    formation: tuple[dict[str, str], list[Logged]], redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
+) -> None:
+    env, started = formation
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    # Given a judge that has just started (its rq worker not yet listening)
+    judge = Logged(env, tmp_path, "judge", "judge")
+    started.append(judge)
+    wait_for(lambda: client.keys(keys.alive_pattern), timeout=60, interval=0.001)  # its heartbeat, at once
+    # When the run stops at once, Then the judge stops (its worker judged on, for ever)
+    RunControl(client, keys).publish(STOP)
+    assert judge.proc.wait(timeout=60) == 0, judge.log()[-3000:]
+    assert not any(p.role == "judge" for p in live_processes(client, keys))
+
+
+def test_sigterm_while_the_judge_waits_for_the_others_keeps_it_waiting(
+    formation: tuple[dict[str, str], list[Logged]], redis_server: EmbeddedRedis, run_name: str, tmp_path: Path
+) -> None:
+    env, started = formation
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    # Given the judge, its rq worker listening, and another process of the run still stopping
+    judge = Logged({**env, "ROLLSTREAM_LOG__LEVEL": "DEBUG"}, tmp_path, "judge", "judge")
+    started.append(judge)
+    wait_for(lambda: judge.says("*** Listening on"), timeout=60)
+    other = Liveness(client, keys, "trainer", "still-stopping", ttl_s=300)
+    other.beat()
+    # When the run stops, its rq worker stops and it waits for the trainer to go
+    RunControl(client, keys).publish(STOP)
+    wait_for(lambda: judge.says("waiting for trainer still-stopping"), timeout=60)
+    # and the process manager's SIGTERM comes
+    judge.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "SIGTERM received" in judge.log() or judge.proc.poll() is not None, timeout=30)
+    # Then it is a stop like the first (rq's cold shutdown ended the wait at once)
+    assert judge.proc.poll() is None, judge.log()[-3000:]
+    assert "cold shut down" not in judge.log()
+    other.clear()
+    assert judge.proc.wait(timeout=60) == 0, judge.log()[-3000:]
