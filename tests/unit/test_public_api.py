@@ -173,7 +173,8 @@ def test_the_trainer_signatures_the_readme_shows() -> None:
     assert params(consumer.Loggers.log) == ["self", "step", "figures"]
     for shown in (
         'open_loggers("tensorboard,wandb", "runs/exp1", "exp1")',
-        "trackers.log(step, step_figures(",
+        "figures = step_figures(",
+        "trackers.log(step, figures)",
     ):
         assert shown in API_SECTION, shown
     coordinator = consumer.BatchCoordinator
