@@ -27,12 +27,21 @@ CI = bool(os.environ.get("CI"))
 
 
 @pytest.fixture(autouse=True)
-def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Tests see no ROLLSTREAM_ variables and no rollstream.toml of the developer's."""
+def _isolated_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Tests see no ROLLSTREAM_ variables and no rollstream.toml of the developer's, and
+    leave the environment as they found it: the CLI run in-process writes to it
+    (RQ_KEY_PREFIX, an --env-file's values), and an RQ_KEY_PREFIX left behind sent every
+    later test's rq worker subprocess to another run's queue."""
+    saved = dict(os.environ)
     for name in list(os.environ):
-        if name.startswith("ROLLSTREAM_"):
+        if name.startswith("ROLLSTREAM_") or name == "RQ_KEY_PREFIX":
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _start(binary: str | None = None) -> EmbeddedRedis:
