@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: demo test test-all lint bench gpu-check run chaos clean
+.PHONY: demo test test-all lint bench soak gpu-check run chaos clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,9 +58,13 @@ chaos: $(DEV)
 	$(PY) -m chaos.run --out bench/results/chaos
 
 # `make test` answers in minutes: everything but the heavy tier (real vLLM, the chaos
-# smoke, the learning smokes). `make test-all` runs every test; CI runs it.
+# smoke, the learning smokes, the benchmarks at smoke size). `make test-all` runs every test;
+# CI runs it.
+# It runs on TEST_WORKERS pytest-xdist workers (4 on a 2-core machine: most tests wait on the
+# processes they start); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 4
 test: $(DEV)
-	$(PY) -m pytest -m "not heavy"
+	$(PY) -m pytest -m "not heavy" -n $(TEST_WORKERS)
 
 test-all: $(DEV)
 	$(PY) -m pytest
@@ -75,6 +79,11 @@ lint: $(DEV)
 
 bench: $(DEV)
 	$(PY) bench/run_all.py
+
+# A million groups through feed -> produce -> train -> commit on one Redis (bench/soak.py,
+# ~20-30 min on 2 cores): Redis memory, every key of the run and groups/s sampled, a verdict.
+soak: $(DEV)
+	$(PY) bench/soak.py
 
 # The GPU check (bench/gpu_check.py): the hf engine against generate and a bare loop, every
 # weight transport, the learning demo on CUDA and on the CPU. It needs torch and transformers

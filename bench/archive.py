@@ -35,11 +35,11 @@ from common import RESULTS, show, spread, write_json
 
 from rollstream.consumer.archive import ARCHIVER_CONSUMER
 from rollstream.shared import codec
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.keys import TRAINER_CONSUMER, Count, Role, progress_field
 from rollstream.shared.records import Group, Prompt, Sample
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from rollstream.shared.streams import Settle
 
@@ -117,7 +117,7 @@ def main() -> None:
             settings = load_settings(
                 run=run, redis={"url": server.url}, tasks=[{"name": TASK, "n": SAMPLES}], archive=archive
             )
-            buffer = ReplayBuffer(connect(settings.redis), settings, TRAINER_CONSUMER)
+            buffer = open_buffer(connect(settings.redis), settings, TRAINER_CONSUMER)
             buffer.ensure(TASK)
             if way == "lua_copy":
                 buffer.scripts.commit_logged = buffer.client.register_script(LUA_COPY)

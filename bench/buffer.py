@@ -48,11 +48,11 @@ from common import RESULTS
 from workload import PROMPT_TOKENS, RESPONSE_TOKENS, SAMPLES, build_samples
 
 from rollstream.shared import codec
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.keys import TRAINER, TRAINER_CONSUMER
 from rollstream.shared.records import Group, Prompt
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
 
 TASK = "bench"
@@ -163,7 +163,7 @@ def run_once(
 def prepare(client: redis.Redis, settings: Settings, way: str, n: int) -> None:
     """Ours: N prompts fed into the task. Raw: an empty stream with its consumer group."""
     if way == "ours":
-        buffer = ReplayBuffer(client, settings, "feeder")
+        buffer = open_buffer(client, settings, "feeder")
         fed = buffer.feed(bench_prompt(i) for i in range(n))
         assert fed.added == n, fed
     else:
@@ -205,7 +205,7 @@ def child(
 
 def ours_producer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
     settings = bench_settings(url)
-    buffer = ReplayBuffer(connect(settings.redis), settings, "producer-0")
+    buffer = open_buffer(connect(settings.redis), settings, "producer-0")
     samples = build_samples(score=1.0)
     buffer.ensure(TASK)
 
@@ -226,7 +226,7 @@ def ours_producer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
 
 def ours_consumer(url: str, n: int, fields: codec.Fields) -> Callable[[], int]:
     settings = bench_settings(url)
-    buffer = ReplayBuffer(connect(settings.redis), settings, TRAINER_CONSUMER)
+    buffer = open_buffer(connect(settings.redis), settings, TRAINER_CONSUMER)
     buffer.ensure(TASK)
 
     def loop() -> int:
@@ -312,7 +312,7 @@ def memory_per_group(
     client.flushdb()
     if way == "ours":
         prepare(client, settings, "ours", k)
-        buffer = ReplayBuffer(client, settings, "producer-mem")
+        buffer = open_buffer(client, settings, "producer-mem")
         claims = buffer.claim(TASK, k)
         assert len(claims) == k
         samples = build_samples(score=1.0, tokens=tokens)

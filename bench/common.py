@@ -21,7 +21,7 @@ import redis
 
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.recipes.prompts import example_prompts
-from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings
 
 # where results go: bench/results, or ROLLSTREAM_BENCH_RESULTS (the smoke tests' folder)
@@ -52,7 +52,7 @@ def feed_prompts(client: redis.Redis, settings: Settings, count: int, task: str 
     """``count`` arithmetic prompts ("What is a + b?") fed into ``task``."""
     with tempfile.TemporaryDirectory() as tmp:
         path = example_prompts(Path(tmp) / "prompts.jsonl", count)
-        return ReplayBuffer(client, settings, "bench-feeder").feed(read_prompt_file(path, task)).added
+        return open_buffer(client, settings, "bench-feeder").feed(read_prompt_file(path, task)).added
 
 
 def used_memory(client: redis.Redis) -> int:
@@ -91,6 +91,13 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """``fig`` written to ``path`` as a PNG, its folder made first (a fresh clone has no
+    bench/results)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def producer_env(url: str, run: str, **settings: str) -> dict[str, str]:

@@ -27,11 +27,11 @@ from typing import Any
 import redis
 from common import RESULTS, show, spread, write_json
 
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import find_redis_server, free_port
 from rollstream.shared.keys import TRAINER_CONSUMER
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.replication import wait_for_replicas
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 
 MODES = ("everysec", "always")
@@ -90,8 +90,8 @@ def cycle(url: str, run: str, groups: int, tokens: int, wait_replicas: int = 0) 
         run=run, redis={"url": url, "wait_replicas": wait_replicas}, tasks=[{"name": "math", "n": 8}]
     )
     client = redis.Redis.from_url(url)
-    producer = ReplayBuffer(client, settings, "producer")
-    trainer = ReplayBuffer(client, settings, TRAINER_CONSUMER)
+    producer = open_buffer(client, settings, "producer")
+    trainer = open_buffer(client, settings, TRAINER_CONSUMER)
     producer.feed(prompts(groups))
     started = time.perf_counter()
     done = 0

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, pyplot, show, spread, table, write_json
+from common import RESULTS, pyplot, save_figure, show, spread, table, write_json
 
 from rollstream.recipes import learning, reverse
 from rollstream.shared.embedded import EmbeddedRedis
@@ -224,8 +224,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         f"reverse task through rollstream: seeds {seeds} (the first bold); dotted: target, dashed: chance"
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

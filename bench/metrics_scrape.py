@@ -23,11 +23,11 @@ from typing import Any
 import redis
 from common import RESULTS, table, write_json
 
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys
 from rollstream.shared.records import Group, Prompt, Sample
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.runmetrics import RunCollector
 from rollstream.shared.settings import load_settings
 
@@ -50,16 +50,16 @@ def populate(url: str, run: str, producers: int) -> None:
     client = redis.Redis.from_url(url)
     control = RunControl(client, Keys(run))
     for task in TASKS:
-        feeder = ReplayBuffer(client, settings, "feeder")
+        feeder = open_buffer(client, settings, "feeder")
         feeder.feed([Prompt(uid=f"{task}-{i}", task=task, prompt=f"q{i}") for i in range(2000)])
-        maker = ReplayBuffer(client, settings, "maker")
+        maker = open_buffer(client, settings, "maker")
         for claim in maker.claim(task, 256):
             maker.complete(claim, group(claim.prompt))
         for p in range(producers):
-            ReplayBuffer(client, settings, f"producer-{p}").claim(task, 8)
-        ReplayBuffer(client, settings, "trainer").read_batch(task, 64)
+            open_buffer(client, settings, f"producer-{p}").claim(task, 8)
+        open_buffer(client, settings, "trainer").read_batch(task, 64)
     for p in range(producers):
-        control.heartbeat(f"producer-{p}", 0, 8)
+        control.publish_status(f"producer-{p}", 0, 8)
     client.close()
 
 

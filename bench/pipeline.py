@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import redis
-from common import RESULTS, feed_prompts, pyplot, show, spread, table, write_json
+from common import RESULTS, feed_prompts, pyplot, save_figure, show, spread, table, write_json
 
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
@@ -270,7 +270,7 @@ class MeasuringTrainer(ReferenceTrainer):
 
 
 async def _run(settings: Settings, client: redis.Redis, p: Params) -> dict[str, Any]:
-    pool = LocalPool.start(settings)
+    pool = LocalPool.start(settings.engines)
     meter = BusyMeter(pool)
     producers = [Producer(settings, client, pool, f"b2-producer-{i}") for i in range(p.producers)]
     trainer = MeasuringTrainer(client, settings, p.step_time_s / p.compression)
@@ -467,7 +467,7 @@ def plot(s: dict[str, Any], path: Any) -> None:
     right.legend(fontsize=8)
     fig.suptitle("B2: sync vs async on the long-tailed sim engine (steady state)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -4,7 +4,10 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
   buffer       bench/buffer.py: replay-buffer groups/s against raw Redis Streams
   pipeline     bench/pipeline.py (B2): async against sync and the engine-capacity bound
   weight_sync  bench/weight_sync.py (B3): publish -> all 4 producer processes on the step
-  scale        bench/scale.py (B4): 1/2/4 producer processes; memory over a long run
+  scale        bench/scale.py (B4): 1/2/4 producer processes, a simulated 64 x 64 fleet (Redis
+               CPU per group against the 2-producer figure); memory over a long run
+  (soak)       bench/soak.py, `make soak`, not run here (a million groups, ~30+ min): its
+               last soak.json is gathered when there is one
   summary      bench/summary.py: what the summary field of group entries costs
   learning     bench/learning.py: a model learns through rollstream; sync vs async steps and seconds
   vllm_pipeline bench/vllm_pipeline.py (P5): rollstream on a vLLM engine against vLLM alone;
@@ -34,7 +37,9 @@ BENCHES: dict[str, list[str]] = {
     "ray_queue": [],
     "pipeline": [],
     "weight_sync": [],
-    "scale": [],
+    # 1 / 2 / 4 producer processes, then a simulated fleet of 64 producers x 64 sim engines
+    # (goal P7: Redis CPU per group within 1.2x of the 2-producer figure of the same run)
+    "scale": ["--fleet", "64x64", "--window-s", "6"],
     "durability": [],
     "summary": [],
     "learning": [],
@@ -134,7 +139,7 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
                 k: {"p50_ms": v["p50_ms"], "p99_ms": v["p99_ms"]} for k, v in sync["scenarios"].items()
             },
         }
-    if scale := read_json(RESULTS / "scale.json"):
+    if (scale := read_json(RESULTS / "scale.json")) and "memory_growth" in scale:  # a run with its long run
         out["scale"] = {
             "memory_growth": scale["memory_growth"],
             "memory_first_bytes": scale["memory_first_bytes"],
@@ -143,6 +148,21 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             "long_run_seconds": scale["long_run"]["seconds"],
             "groups_per_s": scale["groups_per_s"],
             "speedup_over_1": scale["speedup_over_1"],
+            "redis_cpu_ms_per_group": scale.get("redis_cpu_ms_per_group"),
+            "redis_cpu_per_group_vs_2": scale.get("redis_cpu_per_group_vs_2"),
+            "redis_busy": scale.get("redis_busy"),
+            "sync_event_to_live_p99_ms": scale.get("sync_event_to_live_p99_ms"),
+        }
+    if soak := read_json(RESULTS / "soak.json"):
+        v = soak["verdict"]
+        out["soak"] = {
+            "groups": soak["groups"],
+            "seconds": soak["seconds"],
+            "verdict_ok": v.get("ok"),
+            "memory_last_third_over_first": v.get("memory_last_third_over_first"),
+            "growing_keys": v.get("growing_keys"),
+            "groups_per_s_first_third": v.get("groups_per_s_first_third"),
+            "groups_per_s_last_third": v.get("groups_per_s_last_third"),
         }
     if summary := read_json(RESULTS / "summary.json"):
         out["summary"] = {
@@ -286,6 +306,26 @@ def summary_table(r: dict[str, Any]) -> str:
             f"{' / '.join(s['groups_per_s'])} producer processes",
             "-",
             None,
+        )
+    if (s := r.get("scale")) and s.get("redis_cpu_per_group_vs_2"):
+        ratios, cpu = s["redis_cpu_per_group_vs_2"], s["redis_cpu_ms_per_group"]
+        for k in [k for k in ratios if "x" in k]:
+            add(
+                f"scale.redis_cpu_per_group {k} / 2 producers",
+                f"{ratios[k]:.2f}",
+                f"{cpu[k]:.3f} / {cpu['2']:.3f} ms; Redis busy {s['redis_busy'][k]:.2f} of a core",
+                "<= 1.2",
+                ratios[k] <= 1.2,
+            )
+    if s := r.get("soak"):
+        add(
+            "soak.memory (last / first third)",
+            f"{s['memory_last_third_over_first']:.3f}",
+            f"{s['groups']:,} groups in {s['seconds'] / 60:.0f} min; growing keys: "
+            f"{', '.join(s['growing_keys']) or 'none'}; groups/s {s['groups_per_s_first_third']:.0f} -> "
+            f"{s['groups_per_s_last_third']:.0f}",
+            "<= 1.10, no key growing",
+            bool(s["verdict_ok"]),
         )
     if s := r.get("metrics_scrape"):
         add(

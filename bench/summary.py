@@ -47,10 +47,10 @@ from common import RESULTS, table, write_json
 from workload import PROMPT_TOKENS, VOCAB
 
 from rollstream.shared import codec
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.records import Group, Prompt, Sample
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
 
 TASK = "math"
@@ -164,8 +164,8 @@ def time_hot_path(
     with the summary off and one with it on, ``count`` groups (the prepared ``groups``
     in turn) on a flushed database."""
     client.flushdb()
-    producers = {way: ReplayBuffer(client, settings[way], f"producer-{way}") for way in WAYS}
-    trainer = ReplayBuffer(client, settings["off"], "trainer")
+    producers = {way: open_buffer(client, settings[way], f"producer-{way}") for way in WAYS}
+    trainer = open_buffer(client, settings["off"], "trainer")
     prompts = [Prompt(f"q{i}", TASK, groups[i % len(groups)].prompt.prompt) for i in range(count)]
     assert trainer.feed(prompts).added == count
     trainer.ensure(TASK)

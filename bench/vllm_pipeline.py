@@ -79,13 +79,13 @@ from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.producer.engines.base import Engine, SamplingParams
 from rollstream.producer.host import EngineHost
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import STOP, RunControl
 from rollstream.shared.keys import Keys
 from rollstream.shared.liveness import live_processes
 from rollstream.shared.records import Prompt
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
 
 TARGET_RATIO = 0.9
@@ -308,7 +308,7 @@ class Pipeline:
         self.settings, self.p = settings, p
         self.client = connect(settings.redis)
         self.keys = Keys(settings.run)
-        self.buffer = ReplayBuffer(self.client, settings, "p5-feeder")
+        self.buffer = open_buffer(self.client, settings, "p5-feeder")
         self.buffer.ensure("math")
         self.env = run_env(settings, p, Path(settings.engines.vllm.model))
         self.engines = Spawned.rollstream(self.env, root / "engines.log", "engines", "--foreground")
@@ -580,7 +580,7 @@ class Direct:
 
         self.p = p
         init_ray(RunControl(client, Keys(settings.run)).ray_address())
-        pool = EnginePool.attach(settings, timeout_s=60)
+        pool = EnginePool.attach(settings.run, settings.engines.count, timeout_s=60)
         assert pool is not None
         self.pool = pool
 

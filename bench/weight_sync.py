@@ -23,7 +23,18 @@ import time
 from typing import Any
 
 import numpy as np
-from common import RESULTS, Producers, feed_prompts, producer_env, pyplot, show, spread, table, write_json
+from common import (
+    RESULTS,
+    Producers,
+    feed_prompts,
+    producer_env,
+    pyplot,
+    save_figure,
+    show,
+    spread,
+    table,
+    write_json,
+)
 
 from rollstream.consumer.weights import publish_weights, wait_for_producers
 from rollstream.shared.connection import connect
@@ -187,7 +198,7 @@ def plot(r: dict[str, Any], path: Any) -> None:
     ax.legend(fontsize=8)
     ax.set_title("B3: weight-sync latency, 4 producer processes")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -8,7 +8,9 @@ weights published every step and loaded by the engines, an eval batch of held-ou
 prompts every few steps through the coordinator. A line per step (reward, the last
 eval's greedy accuracy, the batch's staleness), a PNG of the curves, and a summary of
 what happened and where every prompt went. Needs the hf extra (and matplotlib for the
-PNG): ``make demo`` installs them.
+PNG): ``make demo`` installs them. SIGTERM or Ctrl-C ends the training after the step
+in progress and the demo reports what it did, exit 0 (a second one: at once); Ray's
+start leaves those signals to it (producer/ray_signals.py).
 
 ``--sim`` is the quick look without a model: a generated arithmetic prompt set, two
 simulated engines, two async producers and the reference trainer sleeping its step
@@ -27,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from rollstream.cli.process import cold_stop, stop_on_signals
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.prompts import read_prompt_file
@@ -38,6 +41,7 @@ from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import InputError
 from rollstream.shared.keys import POOLS, Count, progress_field
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
 
 TASK = "math"
@@ -86,7 +90,7 @@ def demo(
     if sim:
         return sim_demo(prompts, steps or 8, step_time_s, as_json)
     return learning_demo(steps or DEMO_MAX_STEPS, as_json, recipe=recipe, seed=seed, plot=plot,
-                         eval_every=eval_every)  # fmt: skip
+                         eval_every=eval_every, stop=stop_on_signals())  # fmt: skip
 
 
 def learning_demo(
@@ -97,9 +101,11 @@ def learning_demo(
     seed: int = 0,
     plot: str | None = DEMO_PLOT,
     eval_every: int = DEMO_EVAL_EVERY,
+    stop: threading.Event | None = None,
 ) -> int:
     """The reverse task learned through rollstream until the greedy accuracy on the
-    held-out prompts reaches 0.9 (or ``max_steps``): a line per step, a PNG, the summary."""
+    held-out prompts reaches 0.9 (or ``max_steps``, or ``stop``: a SIGTERM's, see
+    ``demo``): a line per step, a PNG, the summary."""
     try:
         import torch
         from transformers.utils import logging as hf_logging
@@ -141,12 +147,18 @@ def learning_demo(
         result = learning.run_learning(
             chosen, redis_url=server.url, work_dir=tmp, seed=seed, steps=max_steps, eval_every=eval_every,
             eval_prompts=DEMO_EVAL_PROMPTS, stop_at_accuracy=learning.ACCURACY_TARGET, on_step=on_step,
+            stop=stop, cold=None if stop is None else cold_stop(stop),
         )  # fmt: skip
+        signals = getattr(stop, "signals", None)
+        if signals:
+            say(f"stopped by {signals[0]} after {len(result.steps)} steps")
         if result.steps and result.steps[-1].eval and result.steps[-1].step % eval_every:
             say(_eval_line(result.steps[-1]))  # the final eval, after the step's line
         summary = _learning_summary(result)
         summary["prompts_fed"] = result.prompts_fed
-        buffer = ReplayBuffer(connect(result.settings.redis), result.settings, "demo-audit")
+        if signals:
+            summary["stopped_by"] = signals[0]
+        buffer = open_buffer(connect(result.settings.redis), result.settings, "demo-audit")
         summary.update(_accounting(buffer, reverse.TASK, result.prompts_fed, summary))
     if plot:
         summary["plot"] = _plot(result, plot)
@@ -275,11 +287,11 @@ def sim_demo(prompts: int = 512, steps: int = 8, step_time_s: float = 0.3, as_js
         settings = load_settings(redis={"url": server.url}, **DEMO_SETTINGS)
         client = connect(settings.redis)
         path = example_prompts(Path(tmp) / f"{TASK}.jsonl", prompts)
-        fed = ReplayBuffer(client, settings, "demo-feeder").feed(read_prompt_file(path, TASK)).added
+        fed = open_buffer(client, settings, "demo-feeder").feed(read_prompt_file(path, TASK)).added
         say(f"fed {fed} arithmetic prompts; 2 sim engines, 2 producers, the reference trainer, {steps} steps")
         summary = asyncio.run(_run(settings, client, steps, step_time_s, say))
         summary["prompts_fed"] = fed
-        summary.update(_accounting(ReplayBuffer(client, settings, "demo-audit"), TASK, fed, summary))
+        summary.update(_accounting(open_buffer(client, settings, "demo-audit"), TASK, fed, summary))
     if as_json:
         print(orjson.dumps(summary).decode())
     else:
@@ -288,7 +300,7 @@ def sim_demo(prompts: int = 512, steps: int = 8, step_time_s: float = 0.3, as_js
 
 
 async def _run(settings: Settings, client: Any, steps: int, step_time_s: float, say: Any) -> dict[str, Any]:
-    pool = LocalPool.start(settings)
+    pool = LocalPool.start(settings.engines)
     producers = [Producer(settings, client, pool, f"demo-producer-{i}") for i in range(2)]
     trainer = ReferenceTrainer(client, settings, step_time_s=step_time_s, consumer="demo-trainer")
     stop = asyncio.Event()

@@ -31,7 +31,7 @@ import redis
 
 from rollstream.shared import telemetry
 from rollstream.shared.buffer import default_consumer_name
-from rollstream.shared.connection import STOPPING, wait_for_redis
+from rollstream.shared.connection import STOPPING, stop_over, wait_for_redis
 from rollstream.shared.errors import RollstreamError, RunLost
 from rollstream.shared.events import STOP, Event, EventFollower, RunControl, remember_run
 from rollstream.shared.keys import ROLES, Keys
@@ -216,7 +216,8 @@ def _running(
     data) stops it with RunLost, and so does an error in its work while the run is gone
     (a NOGROUP of a stream that went with it). ``known_run``: the run id a record of its
     own says the run had, and which record, so that even at the start a Redis that came
-    back empty is not taken for a new run."""
+    back empty is not taken for a new run. Redis gone while a signal stops the process
+    (a process manager stopping Redis too) is said, and the stop is clean: exit 0."""
     name = name or default_consumer_name(role)
     start_line(role, settings, name=name, **start_info)
     client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
@@ -255,6 +256,15 @@ def _running(
     watch.start()
     try:
         yield process
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        signals: list[str] = getattr(stop, "signals", None) or []
+        if not signals:
+            raise
+        # a process manager stopping everything may stop Redis first: the signal's stop is
+        # done (exit 0), and what this process still held stays pending in Redis' data
+        log.warning("Redis at %s went away while %s %s stopped on %s (%s): what it still held "
+                    "stays pending there, taken back after buffer.claim_idle_ms once Redis is back",
+                    redact_url(settings.redis.url), role, name, signals[0], exc)  # fmt: skip
     except Exception as exc:
         lost = _run_lost(process)  # an error because the run is gone says so, once
         if lost is not None:
@@ -277,7 +287,7 @@ def _running(
     finally:
         # this process's stop is over: a later client in the same interpreter (a test, the
         # demo's next part) rides out outages again
-        STOPPING.clear()
+        stop_over()
     if process.errors:
         if isinstance(process.errors[0], RunLost):
             raise process.errors[0]

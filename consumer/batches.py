@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 
 import redis
 
-from rollstream.shared.allocation import allocate_batch_sizes
 from rollstream.shared.buffer import Batch, BatchItem, ReplayBuffer
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import GROUPS, TRAINER, TRAINER_CONSUMER
 from rollstream.shared.records import Group
 from rollstream.shared.replication import wait_for_replicas
-from rollstream.shared.settings import Settings
+from rollstream.shared.runconfig import open_buffer, task_quota
+from rollstream.shared.settings import RedisSettings, Settings
 
 POLL_MS = 100
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class TrainBatch:
     expired: int = 0
     wait_s: float = 0.0
     _buffer: ReplayBuffer | None = None
+    _redis: RedisSettings | None = None  # with wait_replicas: commit waits for the replicas
 
     @property
     def groups(self) -> list[Group]:
@@ -64,10 +65,11 @@ class TrainBatch:
         for batch in self.batches.values():
             foreign += self._buffer.commit(batch, self.train_step)
         RunControl(self._buffer.client, self._buffer.keys).advance_train_step(self.train_step)
-        wait_for_replicas(
-            self._buffer.client, self._buffer.keys, self._buffer.settings.redis,
-            f"the commit of train step {self.train_step}", committed_step=self.train_step,
-        )  # fmt: skip
+        if self._redis is not None:
+            wait_for_replicas(
+                self._buffer.client, self._buffer.keys, self._redis,
+                f"the commit of train step {self.train_step}", committed_step=self.train_step,
+            )  # fmt: skip
         return foreign
 
 
@@ -77,10 +79,9 @@ class BatchReader:
 
     def __init__(self, client: redis.Redis, settings: Settings, consumer: str = TRAINER_CONSUMER) -> None:
         self.settings = settings
-        self.buffer = ReplayBuffer(client, settings, consumer)
+        self.buffer = open_buffer(client, settings, consumer)
         self.control = RunControl(client, self.buffer.keys)
-        weights = {t.name: t.weight for t in settings.tasks}
-        self.quota = allocate_batch_sizes(settings.rollout.batch_size, weights)
+        self.quota = task_quota(settings)
         self._carry: dict[str, list[BatchItem]] = {}
         self._keeper: threading.Thread | None = None
         self._keeper_lock = threading.Lock()
@@ -139,7 +140,8 @@ class BatchReader:
         raises BatchTimeout naming the counts otherwise."""
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
-        result = TrainBatch(train_step, {task: Batch(task) for task in self.quota}, _buffer=self.buffer)
+        batches = {task: Batch(task) for task in self.quota}
+        result = TrainBatch(train_step, batches, _buffer=self.buffer, _redis=self.settings.redis)
         threshold = self.settings.rollout.stale_threshold
         self.keep_fresh()
 

@@ -48,10 +48,11 @@ import redis
 
 from rollstream.consumer.metrics import eval_metrics
 from rollstream.shared import codec
-from rollstream.shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer, default_consumer_name
+from rollstream.shared.buffer import BATCH_META, Batch, BatchItem, default_consumer_name
 from rollstream.shared.errors import BatchTimeout, DecodeError, ReplayBufferError
 from rollstream.shared.keys import EVALS, GROUP_OF_KIND, POOLS, PROMPTS, Count, progress_field
 from rollstream.shared.records import Group, Prompt, Status
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, validate_name
 
 POLL_S = 0.05
@@ -130,7 +131,7 @@ class BatchCoordinator:
     ) -> None:
         self.client: Any = client  # replies are bytes (no decode_responses)
         self.settings = settings
-        self.buffer = ReplayBuffer(client, settings, consumer)
+        self.buffer = open_buffer(client, settings, consumer)
         self.keys = self.buffer.keys
         self.lease_s = lease_s
         self._transition = client.register_script(_TRANSITION)
@@ -305,7 +306,9 @@ class BatchCoordinator:
             try:
                 out.append(codec.decode_group(fields))
             except DecodeError as exc:
-                self.client.xadd(self.keys.dead, {**fields, "reason": str(exc), "source": stream})
+                dead = {**fields, "reason": str(exc), "source": stream}
+                cap = self.settings.buffer.dead_maxlen
+                self.client.xadd(self.keys.dead, dead, maxlen=cap, approximate=True)
                 self.client.xdel(stream, entry_id)
                 log.warning("eval result %s of batch %s dead-lettered: %s", entry_id, batch_id, exc)
         return out

@@ -9,13 +9,12 @@ count backwards (a Redis that kept running has newer counts than the checkpoint)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import redis
 
-from rollstream.shared.allocation import allocate_batch_sizes
 from rollstream.shared.keys import MODEL_STEP, TRAIN_STEP, Count, Keys, progress_field
-from rollstream.shared.settings import Settings
 from rollstream.shared.streams import stored_float, stored_int, stored_step
 
 
@@ -24,13 +23,13 @@ class ProduceProgress:
     every counter: one that left, say, groups_dead out would bring a run that lost its
     Redis back with admission counting those groups as trainable again."""
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, quota: Mapping[str, int]) -> None:
+        """``quota``: the groups of each of the run's tasks in a train step
+        (runconfig.task_quota), what a checkpoint's targets count in."""
         self.client = client
-        self.keys = Keys(settings.run)
-        self.tasks = [t.name for t in settings.tasks]
-        self.quota = allocate_batch_sizes(
-            settings.rollout.batch_size, {t.name: t.weight for t in settings.tasks}
-        )
+        self.keys = keys
+        self.tasks = list(quota)
+        self.quota = dict(quota)
 
     def counts(self, task: str) -> dict[str, float]:
         """The task's counters; CorruptValueError names one that holds something else."""

@@ -7,6 +7,7 @@ publish the weights, and every few steps evaluate on held-out prompts
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -24,6 +25,8 @@ from rollstream.shared import telemetry
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.keys import TRAINER_CONSUMER
 from rollstream.shared.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -70,13 +73,26 @@ class ReferenceTrainer:
         # called with (step, batch) after the optimizer step and before the commit, and
         # with (step, None) once the commit is done: an independent record of training
         self.on_commit: Callable[[int, TrainBatch | None], None] | None = None
+        # (model_step, uri, event id) of this trainer's last weight sync: see _publish_lost_sync
+        self._published: tuple[int, str | None, str] | None = None
+        # set by a cold stop (run's ``cold``): the step in training ends now, uncommitted
+        self._cold = threading.Event()
 
     def run(
         self,
         steps: int,
         on_step: Callable[[StepLog], None] | None = None,
         stop: threading.Event | None = None,
+        cold: threading.Event | None = None,
     ) -> TrainLog:
+        """Train ``steps`` steps. ``stop`` is a warm stop: the step in training finishes and
+        is committed, and no other starts. ``cold`` (set with or after ``stop``, by a second
+        SIGTERM) stops at once: the step in training is cut short (a configured step time)
+        or its update thrown away (a policy's, once it returns), and it is not committed;
+        its groups stay pending for this consumer, so that the trainer's restart under the
+        same name re-reads them and trains that step number again, as after a kill."""
+        if cold is not None:
+            self._cold = cold
         try:
             return self._run(steps, on_step, stop)
         finally:
@@ -85,7 +101,7 @@ class ReferenceTrainer:
     def _run(
         self, steps: int, on_step: Callable[[StepLog], None] | None, stop: threading.Event | None
     ) -> TrainLog:
-        log = TrainLog()
+        done = TrainLog()
         # train_step is the last committed step: a trainer stopped (or killed) before its
         # commit redoes that step number with the groups it had read, never skips it
         first = self.reader.control.train_step() + 1
@@ -98,6 +114,13 @@ class ReferenceTrainer:
             if batch is None:
                 break
             train_s = self.train(batch)
+            if self._cold.is_set():
+                log.warning(
+                    "trainer: cold stop in step %d: not committed; its %d groups stay pending for "
+                    "consumer %s, whose restart trains step %d with them", step, len(batch),
+                    self.reader.buffer.consumer, step,
+                )  # fmt: skip
+                break
             if self.on_commit is not None:
                 self.on_commit(step, batch)
             batch.commit()
@@ -106,7 +129,7 @@ class ReferenceTrainer:
             synced = step % interval == 0
             if synced:
                 uri = self.policy.save(step) if self.policy is not None else None
-                publish_weights(self.reader.control, step, uri)
+                self._published = (step, uri, publish_weights(self.reader.control, step, uri))
             entry = self.log_step(step, batch, train_s)
             figures = dict(self.policy.metrics) if self.policy is not None else {}
             telemetry.train_step(
@@ -118,11 +141,14 @@ class ReferenceTrainer:
                 train_s, batch.wait_s, len(batch), scores, batch.staleness, batch.expired, figures
             )
             if synced and self.evaluator is not None and self.evaluator.due(step):
-                entry.eval = self.evaluator(step, self.reader.control)
-            log.steps.append(entry)
+                if self._cold.is_set():
+                    log.warning("trainer: cold stop: the eval of step %d is skipped", step)
+                else:
+                    entry.eval = self.evaluator(step, self.reader.control)
+            done.steps.append(entry)
             if on_step:
                 on_step(entry)
-        return log
+        return done
 
     def _publish_missed_sync(self, committed: int, interval: int) -> None:
         """A trainer that died between a commit and its weight sync left model_step one sync
@@ -131,7 +157,7 @@ class ReferenceTrainer:
         last_sync = committed - committed % interval
         if last_sync > self.reader.control.model_step():
             uri = self.policy.save(last_sync) if self.policy is not None else None
-            publish_weights(self.reader.control, last_sync, uri)
+            self._published = (last_sync, uri, publish_weights(self.reader.control, last_sync, uri))
 
     def _next_batch(self, step: int, stop: threading.Event | None) -> TrainBatch | None:
         """The full batch of ``step``, or None once ``stop`` is set while waiting for it."""
@@ -140,16 +166,38 @@ class ReferenceTrainer:
             try:
                 return self.reader.get_batch(step, timeout_s=1.0, min_wait_num=full)
             except BatchTimeout:
+                self._publish_lost_sync()
                 continue  # what was read stays with the reader; look at stop, wait on
         return None
 
+    def _publish_lost_sync(self) -> None:
+        """While it waits for a batch: a weight sync this trainer published that Redis no
+        longer holds (a failover to a replica that had not got it, or a crash within the
+        append-only file's fsync second) leaves model_step behind the weights trained, and
+        producers that start now, or had not followed the event yet, on the older step:
+        with max_staleness 0 they admit nothing the trainer can take. Publish it again.
+        A model_step an operator set lower (`rollstream steps --model-step`) leaves the
+        event in the stream, and is left alone."""
+        if self._published is None:
+            return
+        step, uri, event = self._published
+        control = self.reader.control
+        if control.model_step() >= step or control.client.xrange(control.keys.events, event, event):
+            return
+        log.warning(
+            "trainer: Redis lost the weight sync of step %d (a failover or a crash took its last "
+            "writes): publishing it again", step,
+        )  # fmt: skip
+        self._published = (step, uri, publish_weights(control, step, uri))
+
     def train(self, batch: TrainBatch) -> float:
-        """One optimizer step on the batch: the policy's, or the configured duration."""
+        """One optimizer step on the batch: the policy's, or the configured duration (which
+        a cold stop cuts short)."""
         started = time.monotonic()
         if self.policy is not None:
             self.policy(batch)
         else:
-            time.sleep(self.step_time_s)
+            self._cold.wait(self.step_time_s)
         return time.monotonic() - started
 
     @staticmethod

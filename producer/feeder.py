@@ -15,6 +15,7 @@ epochs is two prompts.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from rollstream.producer.prompts import UidCheck, check_readable, iter_lines, pa
 from rollstream.shared.buffer import FEED_CHUNK, ReplayBuffer
 from rollstream.shared.errors import FeederError, InputError
 from rollstream.shared.records import Prompt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,11 +169,37 @@ class Feeder:
             if pos == n:
                 new = Cursor(cursor.source, cursor.seed, cursor.shuffle, cursor.epoch + 1, 0)
             new_raw = new.dumps()
-            self.buffer.feed_at_cursor(self.task, rows, raw, new_raw)
+            try:
+                self.buffer.feed_at_cursor(self.task, rows, raw, new_raw)
+            except FeederError:
+                lost = self._lost_writes(cursor)
+                if lost is None:
+                    raise
+                raw, cursor = lost
+                continue
             raw, cursor = new_raw, new
             fed += take
             want -= take
         return raw, cursor, fed
+
+    def _lost_writes(self, cursor: Cursor) -> tuple[str, Cursor] | None:
+        """The cursor Redis holds, when it is behind ``cursor`` on this dataset: a feeder
+        only moves the cursor forwards, so one that went back is Redis having lost this
+        feeder's last writes (a failover to a replica that had not got them, a crash within
+        the append-only file's fsync second), and the prompts and uids they fed with it:
+        feeding on from there feeds those again. None when it is elsewhere (ahead: another
+        feeder's)."""
+        raw = self.buffer.feeder_cursor(self.task)
+        held = Cursor.loads(raw) if raw else Cursor(self.source, self.seed, self.shuffle)
+        mine = (held.source, held.seed, held.shuffle) == (self.source, self.seed, self.shuffle)
+        if not mine or (held.epoch, held.pos) >= (cursor.epoch, cursor.pos):
+            return None
+        log.warning(
+            "feeder: the cursor of task %r went back from epoch %d row %d to epoch %d row %d: Redis "
+            "lost this feeder's last writes (a failover or a crash); feeding again from there",
+            self.task, cursor.epoch, cursor.pos, held.epoch, held.pos,
+        )  # fmt: skip
+        return raw, held
 
     def run(
         self, stop: threading.Event | None = None, on_fed: Callable[[int, Cursor], None] | None = None

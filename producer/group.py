@@ -15,39 +15,53 @@ was taken over by another producer meanwhile: nothing written).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import queue
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import redis
 
 from rollstream.producer.agents.base import Agent, AgentConfig, Request, Rollout
 from rollstream.producer.agents.single import SingleTurnAgent
+from rollstream.producer.completions import Completions, settle_off_loop
 from rollstream.producer.engines.base import FINISH_LENGTH, Generation, SamplingParams
 from rollstream.producer.judges.base import Judge, JudgeError, apply_rewards
 from rollstream.producer.judges.rq import RQJudge
+from rollstream.producer.judging import MAX_CAUSES, JudgeFailures, SerialThread
 from rollstream.producer.pool import BasePool
 from rollstream.producer.tokenizer import Tokenizer
 from rollstream.shared.buffer import Claim, ReplayBuffer
-from rollstream.shared.keys import EVALS, Keys, Role
+from rollstream.shared.errors import SettingsError
+from rollstream.shared.keys import EVALS
 from rollstream.shared.records import Group, Prompt, Sample, Status
-from rollstream.shared.settings import ProducerSettings, Settings
+from rollstream.shared.settings import ProducerSettings, TaskSettings
 from rollstream.shared.telemetry import group_completed, group_generated, judge_failed, judged
+
+# the settling and judging parts live in producer/completions.py and producer/judging.py;
+# importable from here as before
+__all__ = [
+    "ABORTED",
+    "COMPLETED",
+    "DYNAMIC_TIMEOUT_AFTER",
+    "FAILED",
+    "FENCED",
+    "FILTERED",
+    "MAX_CAUSES",
+    "SAMPLING_META",
+    "Completions",
+    "GroupFailed",
+    "GroupRunner",
+    "JudgeFailures",
+    "SerialThread",
+    "Window",
+    "prompt_sampling",
+    "settle_off_loop",
+]
 
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
 DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
 SAMPLING_META = "sampling"  # a prompt's own temperature / top_p, over the producer's (prompt_sampling)
-MAX_CAUSES = 256  # distinct judge-failure causes remembered (each logged once)
-T = TypeVar("T")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -66,238 +80,21 @@ class Window:
         self.rewards += len(scores)
 
 
-Pending = tuple[Claim, Group, "asyncio.Future[str | None]"]
-
-
-async def settle_off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)``, a settle, in the loop's default executor; a cancellation of the
-    caller (a stop) never cancels the settle: it waits for it to land, then goes on. A
-    cancelled ``asyncio.to_thread`` drops a call that no worker thread has taken up yet
-    (every thread busy, a loaded machine): the claim stayed pending after a cold stop."""
-    future = asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args))
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await asyncio.wait([future])  # never cancels it; a second cancellation ends the wait
-        raise
-
-
-class Completions:
-    """Completed groups written together: the groups that finish in one turn of the
-    event loop share one fenced settle per pool (ReplayBuffer.complete_many) instead
-    of a round trip each. Each caller still gets its own group's entry id, or None
-    when its claim was reclaimed by another producer. The writes run in a thread, off
-    the event loop: a Redis riding out an outage holds the settles, not the producer."""
-
-    def __init__(self, buffer: ReplayBuffer) -> None:
-        self.buffer = buffer
-        self._pending: list[Pending] = []
-        self._writing: set[asyncio.Task[None]] = set()
-        self.flushes = 0
-
-    async def complete(self, claim: Claim, group: Group) -> str | None:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[str | None] = loop.create_future()
-        self._pending.append((claim, group, future))
-        if len(self._pending) == 1:
-            loop.call_soon(self._flush)  # after the others finishing in this turn
-        return await future
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        self.flushes += 1
-        task = asyncio.ensure_future(self._write_off_loop(pending))
-        self._writing.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._writing.discard)
-
-    async def _write_off_loop(self, pending: list[Pending]) -> None:
-        try:
-            # shielded: a cancelled call that no worker thread had taken up yet would be dropped
-            writing = asyncio.get_running_loop().run_in_executor(None, self._write, pending)
-            outcomes = await asyncio.shield(writing)
-        except asyncio.CancelledError:  # the loop goes away: the write still lands (asyncio.run waits for it)
-            for _, _, future in pending:
-                future.cancel()
-            raise
-        for items, outcome in outcomes:  # futures are the loop's: resolved here, not in the thread
-            self._resolve(items, outcome)
-
-    def _write(self, pending: list[Pending]) -> list[tuple[list[Pending], list[str | None] | Exception]]:
-        """The settles, in a thread: each pool's outcome, for the loop to resolve."""
-        by_stream: dict[str, list[Pending]] = {}
-        for item in pending:
-            by_stream.setdefault(item[0].entry.stream, []).append(item)
-        outcomes: list[tuple[list[Pending], list[str | None] | Exception]] = []
-        for items in by_stream.values():  # one settle each: all of it lands or none
-            try:
-                outcomes.append((items, self.buffer.complete_many([(c, g) for c, g, _ in items])))
-                continue
-            except Exception as exc:
-                # Redis itself failing fails them all; anything else, try one by one
-                if len(items) == 1 or isinstance(exc, redis.ConnectionError | redis.TimeoutError):
-                    outcomes.append((items, exc))
-                    continue
-            for item in items:  # one by one, so that one group's error is that group's alone
-                try:
-                    outcomes.append(([item], self.buffer.complete_many([item[:2]])))
-                except Exception as exc:
-                    outcomes.append(([item], exc))
-        return outcomes
-
-    @staticmethod
-    def _resolve(items: list[Pending], outcome: list[str | None] | Exception) -> None:
-        for i, (_, _, future) in enumerate(items):
-            if future.done():  # a cancelled waiter: its group was written all the same
-                continue
-            if isinstance(outcome, Exception):
-                future.set_exception(outcome)  # its claim stays pending: reclaimed later
-            else:
-                future.set_result(outcome[i])
-
-
-class SerialThread:
-    """Runs calls one at a time in a daemon thread of its own, off the event loop. A
-    daemon, unlike an executor's thread: a call that never returns (a hung judge) cannot
-    keep the process from exiting once its group has been handed back at a stop."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._calls: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-            self._thread.start()
-        self._calls.put((loop, future, fn, args))
-        return await future
-
-    def _serve(self) -> None:
-        while True:
-            loop, future, fn, args = self._calls.get()
-            if future.cancelled():  # its group was handed back meanwhile
-                continue
-            try:
-                result, error = fn(*args), None
-            except BaseException as exc:
-                result, error = None, exc
-
-            def settle(
-                future: asyncio.Future[Any] = future, result: Any = result, error: Any = error
-            ) -> None:
-                if future.done():
-                    return
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(result)
-
-            with contextlib.suppress(RuntimeError):  # the loop is gone
-                loop.call_soon_threadsafe(settle)
-
-
-class JudgeFailures:
-    """What the producer says when the judge fails groups, which then go to the dead
-    letters (each with its reason): one warning per cause, not a line per group, and not
-    silence (every prompt of a dataset without ``meta.answer`` fails the same way). On
-    the judge queue, no ``rollstream judge`` worker alive (the run's liveness keys) while
-    jobs wait is said once, loudly, as soon as a job has waited a whole job timeout for
-    a worker (or at the first failure), with the groups it holds; said again only after
-    a judge worker was seen alive in between."""
-
-    def __init__(self, client: redis.Redis, keys: Keys, producer: str, queue_key: str | None) -> None:
-        self.client = client
-        self.judges = keys.alive(Role.JUDGE, "*")
-        self.producer = producer
-        self.queue_key = queue_key  # the rq queue's key, when the judge runs on the queue
-        self.waiting = 0  # groups waiting on the judge queue now (the event loop counts them)
-        self.warned = False  # "no judge worker" was said, and no judge worker seen since
-        self.judgeless = 0  # groups failed on the queue with no judge worker alive, since the warning
-        self.causes: dict[str, int] = {}  # groups failed per cause
-        self._lock = threading.Lock()  # the calls come from the loop's worker threads
-
-    def queued_long(self, group_id: str, waited_s: float, dead_after_s: float) -> None:
-        """A group's judge job still waits for a worker after a whole job timeout."""
-        with self._lock:
-            if self.warned or self._judge_alive() is not False:
-                return
-            self.warned = True
-        log.warning(
-            "producer %s: no `rollstream judge` worker is alive (no %s key) to run the jobs on the "
-            "judge queue %s (producer.judge_on_queue is set): group %s has waited %.0f s for one, "
-            "with %d other groups waiting on the queue; each is dead-lettered after %.0f s unless a "
-            "judge worker runs: start `rollstream judge` (said once, not per group)",
-            self.producer, self.judges, self.queue_key, group_id, waited_s, max(0, self.waiting - 1),
-            dead_after_s,
-        )  # fmt: skip
-
-    def judged(self) -> None:
-        """A job on the queue was judged after the warning: a judge worker runs again."""
-        with self._lock:
-            if not self.warned or not self._judge_alive():
-                return
-            self.warned, lost = False, self.judgeless
-            self.judgeless = 0
-        log.warning(
-            "producer %s: a judge worker is alive again; %d groups were dead-lettered while none was",
-            self.producer, lost,
-        )  # fmt: skip
-
-    def failed(self, group_id: str, exc: JudgeError) -> None:
-        """One group failed for ``exc`` (called off the event loop: it may ask Redis)."""
-        if self.queue_key is not None:
-            alive = self._judge_alive()
-            if alive is False:
-                with self._lock:
-                    self.judgeless += 1
-                    said, self.warned = self.warned, True
-                if not said:
-                    log.warning(
-                        "producer %s: no `rollstream judge` worker is alive (no %s key) to run the jobs "
-                        "on the judge queue %s (producer.judge_on_queue is set): group %s is dead-lettered "
-                        "(%s) and so will be the %d other groups waiting on the queue and every group "
-                        "after them until a judge worker runs; start `rollstream judge` "
-                        "(said once, not per group)",
-                        self.producer, self.judges, self.queue_key, group_id, exc, self.waiting,
-                    )  # fmt: skip
-                return
-            if alive and self.warned:
-                self.judged()
-        cause = str(exc).replace(group_id, "{group}")
-        if exc.job_id:
-            cause = cause.replace(exc.job_id, "{job}")
-        seen = self.causes.get(cause)
-        if seen is not None:
-            self.causes[cause] = seen + 1
-            return
-        if len(self.causes) == MAX_CAUSES:
-            log.warning("producer %s: the judge failed group %s: %s", self.producer, group_id, exc)
-            return
-        self.causes[cause] = 1
-        log.warning(
-            "producer %s: the judge failed group %s: %s; it is dead-lettered, and so is every group "
-            "that fails this way (said once per cause: `rollstream show dead` lists them)",
-            self.producer, group_id, exc,
-        )  # fmt: skip
-
-    def _judge_alive(self) -> bool | None:
-        """Whether a judge worker keeps a liveness key; None when Redis does not say."""
-        try:
-            return next(iter(self.client.scan_iter(match=self.judges, count=1000)), None) is not None
-        except redis.RedisError:
-            return None
-
-
 class GroupFailed(Exception):
     """Every attempt at a group failed; the message says why the last one did."""
 
 
 class GroupRunner:
+    """One group's life, from its claim to its settle. Built from the sections it uses:
+    ``producer`` (sampling, timeouts, the judge's), ``tasks`` (each task's group size n),
+    ``on_weight_sync`` (rollout.on_weight_sync: whether an aborted group keeps its partial
+    samples) and ``max_attempts`` (buffer.max_attempts: attempts at a group, and tries of
+    a judge job on the queue)."""
+
     def __init__(
         self,
-        settings: Settings,
+        producer: ProducerSettings,
+        tasks: Iterable[TaskSettings],
         buffer: ReplayBuffer,
         pool: BasePool,
         tokenizer: Tokenizer,
@@ -305,16 +102,21 @@ class GroupRunner:
         is_valid: Callable[[Group], bool],
         rq_judge: RQJudge | None = None,
         agent: Agent | None = None,
+        *,
+        on_weight_sync: str,
+        max_attempts: int,
     ) -> None:
-        self.settings = settings
+        self.producer = producer
+        self.group_sizes = {t.name: t.n for t in tasks}
+        self.on_weight_sync = on_weight_sync
+        self.max_attempts = max_attempts
         self.buffer = buffer
         self.pool = pool
         self.tokenizer = tokenizer
         self.judge = judge
         self.is_valid = is_valid
         self.rq_judge = rq_judge
-        mode = settings.rollout.on_weight_sync
-        self.agent = agent or SingleTurnAgent(AgentConfig.from_settings(settings.producer, mode))
+        self.agent = agent or SingleTurnAgent(AgentConfig.from_settings(producer, on_weight_sync))
         self.recent_s: deque[float] = deque(maxlen=64)
         self.inflight: set[str] = set()  # request ids, for aborts
         self.rollouts: set[Rollout] = set()  # the attempts generating now
@@ -345,7 +147,7 @@ class GroupRunner:
         # the settles below run off the event loop (a Redis riding out an outage holds this
         # group, not the producer); those of a stop, in the CancelledError paths, stay on it
         if any(s.status is Status.ABORTED for s in samples):
-            keep = samples if self.settings.rollout.on_weight_sync == "partial" else []
+            keep = samples if self.on_weight_sync == "partial" else []
             return ABORTED if await settle_off_loop(self.buffer.abort, claim, keep) is not None else FENCED
         group = Group.for_prompt(
             claim.prompt, samples=samples, attempt=claim.entry.deliveries, producer=self.buffer.consumer,
@@ -363,7 +165,7 @@ class GroupRunner:
         except asyncio.CancelledError:
             # the producer stops: hand the claim back now (with the generated samples, in
             # partial mode) instead of leaving it pending until claim_idle_ms
-            keep = samples if self.settings.rollout.on_weight_sync == "partial" else []
+            keep = samples if self.on_weight_sync == "partial" else []
             self.buffer.abort(claim, keep)
             raise
         group.timings.update(generate_s=generated - started, judge_s=time.monotonic() - generated)
@@ -382,9 +184,9 @@ class GroupRunner:
     async def generate(self, claim: Claim) -> list[Sample]:
         """The group's n samples: fresh, or the partial ones continued, by the agent.
         Retries a failed or timed-out attempt on another engine, up to max_attempts."""
-        n = self.settings.task(claim.task).n
+        n = self.group_size(claim.task)
         prompt_ids = self.tokenizer.encode(claim.prompt.prompt)
-        max_tokens = self.settings.producer.max_tokens
+        max_tokens = self.producer.max_tokens
         for s in claim.partial:  # interrupted with nothing left to generate: it is complete
             if s.status is Status.ABORTED and s.turns is None and len(s.response_ids) >= max_tokens:
                 s.status, s.finish_reason = Status.COMPLETED, FINISH_LENGTH
@@ -394,10 +196,10 @@ class GroupRunner:
             to_continue = [_empty(prompt_ids) for _ in range(n)]
         if not to_continue:
             return kept
-        sampling = prompt_sampling(claim.prompt, self.settings.producer)
+        sampling = prompt_sampling(claim.prompt, self.producer)
         avoid: list[int] = []
         last_error = ""
-        for attempt in range(1, self.settings.buffer.max_attempts + 1):
+        for attempt in range(1, self.max_attempts + 1):
             request_id = f"{claim.group_id}#{claim.entry.id}#{attempt}"
             rollout = Rollout(
                 claim.prompt,
@@ -405,7 +207,7 @@ class GroupRunner:
                 self.tokenizer,
                 self._attempt(avoid, sampling),
                 request_id,
-                self.settings.rollout.on_weight_sync,
+                self.on_weight_sync,
             )
             self.rollouts.add(rollout)
             try:
@@ -421,7 +223,15 @@ class GroupRunner:
                     await self.pool.abort(rollout.issued)
             finally:
                 self.rollouts.discard(rollout)
-        raise GroupFailed(f"{self.settings.buffer.max_attempts} attempts, last: {last_error}")
+        raise GroupFailed(f"{self.max_attempts} attempts, last: {last_error}")
+
+    def group_size(self, task: str) -> int:
+        """Task ``task``'s n, responses per prompt."""
+        try:
+            return self.group_sizes[task]
+        except KeyError:
+            known = ", ".join(self.group_sizes)
+            raise SettingsError(f"unknown task {task!r}; the settings define: {known}") from None
 
     async def abort_all(self) -> None:
         """Stop what this runner generates (a pause, a stop): every attempt starts no new
@@ -459,7 +269,7 @@ class GroupRunner:
         sampling: tuple[float, float] | None = None,
         engine: int | None = None,
     ) -> list[Generation]:
-        p = self.settings.producer
+        p = self.producer
         temperature, top_p = sampling or (p.temperature, p.top_p)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop))
         self.inflight.add(request_id)
@@ -482,12 +292,12 @@ class GroupRunner:
 
     def timeout_s(self) -> float | None:
         """Per-attempt timeout: fixed, or ratio x the mean time of recent groups."""
-        fixed = self.settings.producer.group_timeout_s
+        fixed = self.producer.group_timeout_s
         if fixed > 0:
             return fixed
         if len(self.recent_s) < DYNAMIC_TIMEOUT_AFTER:
             return None
-        p = self.settings.producer
+        p = self.producer
         # never below the floor: groups of a few ms made it a few ms, and the first outage
         # or busy moment then failed every group in flight ("timed out after 0.0 s")
         return max(p.min_timeout_s, p.timeout_ratio * statistics.fmean(self.recent_s))
@@ -500,8 +310,8 @@ class GroupRunner:
         else:
             job = await asyncio.to_thread(self.rq_judge.submit, group.prompt, group.samples)
             # rq retries a failed or killed job itself: wait for every try
-            tries = self.settings.buffer.max_attempts
-            wait_s = tries * (self.settings.producer.judge_timeout_s + 5)
+            tries = self.max_attempts
+            wait_s = tries * (self.producer.judge_timeout_s + 5)
             # a cancelled group (a stop) ends the thread's wait too: the interpreter waits
             # for that thread at exit, for as long as wait_s when the judge is gone
             given_up = threading.Event()

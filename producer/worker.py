@@ -19,71 +19,50 @@ claims again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 import redis
 
 from rollstream.producer.agents.base import AgentConfig
 from rollstream.producer.agents.registry import load_agent
+from rollstream.producer.failures import FailureLog, why
 from rollstream.producer.filters import load_filter, load_should_continue
-from rollstream.producer.group import ABORTED, FAILED, FILTERED, GroupRunner, Window
+from rollstream.producer.group import GroupRunner, Window
+from rollstream.producer.heartbeat import keep_beating, producer_heartbeat, stop_beating
 from rollstream.producer.judges.registry import load_judge
 from rollstream.producer.judges.rq import RQJudge
 from rollstream.producer.pool import BasePool
+from rollstream.producer.progress import METRICS_CAP, ProducerStats, metrics_record, report_progress
 from rollstream.producer.tokenizer import make_tokenizer
 from rollstream.shared.allocation import allocate_batch_sizes, over_sample_budget
-from rollstream.shared.buffer import Claim, ReplayBuffer, default_consumer_name
+from rollstream.shared.buffer import Claim, default_consumer_name
 from rollstream.shared.connection import refuse_on_cluster
 from rollstream.shared.errors import CorruptValueError, RollstreamError, SettingsError
 from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import EVALS
-from rollstream.shared.liveness import Liveness
+from rollstream.shared.liveness import Heartbeat, Liveness
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings
-from rollstream.shared.streams import Entry
 from rollstream.shared.telemetry import admission_wait, group_finished, track_inflight, weight_synced
 
-POLL_S = 0.05
+POLL_S = 0.05  # after an empty look; doubled per empty look in a row up to producer.idle_poll_max_s
 # At the admission bound only a weight sync (the events task wakes the loop), a group of this
 # producer settling (it wakes the loop too) or another process's settle or expiry can make
 # room: the loop looks again on those, else at this pace, not every POLL_S.
 ADMIT_POLL_S = 1.0
-BEAT_JOIN_S = 5.0  # at a stop, how long a beat under way may take before the stop goes on
 SETTLE_S = 2.0  # at a stop, how long aborted groups get to settle before they are cancelled
-METRICS_CAP = 100_000
-ENGINE_CHECK_EVERY = 5  # heartbeats between checks that every engine is on the model step
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ProducerStats:
-    outcomes: dict[str, int] = field(default_factory=dict)
-    weight_syncs: int = 0
-    retries: int = 0
-    admission_waits: int = 0
-    claims: int = 0
-
-    def count(self, outcome: str) -> None:
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-
-    @property
-    def groups(self) -> int:
-        return sum(self.outcomes.values())
+# the producer's counts, metrics records and heartbeat live in producer/progress.py and
+# producer/heartbeat.py; importable from here as before
+__all__ = ["METRICS_CAP", "BackgroundTaskFailed", "Producer", "ProducerStats"]
 
 
 class BackgroundTaskFailed(RollstreamError):
     """A background task of the producer (events, heartbeat) died: the producer stops
     rather than go on without weight syncs or liveness."""
-
-
-def _why(exc: BaseException | None) -> str:
-    """The exception's type and message: redis-py 8's repr of a server error hides the message."""
-    return f"{type(exc).__name__}: {exc}"
 
 
 T = TypeVar("T")
@@ -102,7 +81,7 @@ def _raise_if_failed(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         if task.done() and not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            raise BackgroundTaskFailed(f"the producer's {task.get_name()} task failed: {_why(exc)}") from exc
+            raise BackgroundTaskFailed(f"the producer's {task.get_name()} task failed: {why(exc)}") from exc
 
 
 class Producer:
@@ -116,7 +95,7 @@ class Producer:
     ) -> None:
         self.settings = settings
         self.name = name or default_consumer_name("producer")
-        self.buffer = ReplayBuffer(client, settings, self.name)
+        self.buffer = open_buffer(client, settings, self.name)
         self.control = RunControl(client, self.buffer.keys)
         self.pool = pool
         p = settings.producer
@@ -125,7 +104,8 @@ class Producer:
         rq_judge = RQJudge(client, p.judge, p.judge_timeout_s, settings.buffer.max_attempts - 1)
         agent_config = AgentConfig.from_settings(p, settings.rollout.on_weight_sync)
         self.runner = GroupRunner(
-            settings,
+            p,
+            settings.tasks,
             self.buffer,
             pool,
             make_tokenizer(settings.engines),
@@ -133,12 +113,15 @@ class Producer:
             _plugin(load_filter, p.is_valid, "is_valid"),
             rq_judge if p.judge_on_queue else None,
             _plugin(lambda spec: load_agent(spec, agent_config), p.agent, "agent"),
+            on_weight_sync=settings.rollout.on_weight_sync,
+            max_attempts=settings.buffer.max_attempts,
         )
         weights = {t.name: t.weight for t in settings.tasks}
         self.batch = allocate_batch_sizes(settings.rollout.batch_size, weights)
         self._should_continue = _plugin(load_should_continue, p.should_continue, "should_continue")
         self.model_step = 0
         self.stats = ProducerStats()
+        self.failures = FailureLog(log)  # a failure that hits every group is said once, then counted
         self.inflight: dict[asyncio.Task[str], Claim] = {}
         self._open = asyncio.Event()  # claiming allowed (cleared during a weight sync)
         self.cold = asyncio.Event()  # a cold stop: in-flight work is handed back at once
@@ -148,8 +131,8 @@ class Producer:
         self._wake = asyncio.Event()  # something moved the admission bound: look again now
         self._next_admit = 0.0  # the loop's time of the next look at admission without a wake-up
         self._at_bound = False  # the last admission found every task at its bound
-        self._beats_stop = threading.Event()
-        self._beats: threading.Thread | None = None
+        self._idle_poll = POLL_S  # the wait after the next empty look (doubles while idle)
+        self._beats: Heartbeat | None = None  # the heartbeat of a run() under way
         self._tail: dict[str, bool] = {t.name: False for t in settings.tasks}
 
     async def run(
@@ -196,8 +179,7 @@ class Producer:
                     for claim in claims:
                         self.inflight[asyncio.create_task(self.runner.run(claim, self.model_step))] = claim
                     await self.abort_leftovers()
-                    wait = ADMIT_POLL_S if self._at_bound else POLL_S
-                    self._next_admit = asyncio.get_running_loop().time() + wait
+                    self._next_admit = asyncio.get_running_loop().time() + self._poll_wait(claims)
                 if burst and not self.inflight and (self.paused or self.no_work_left() or self.blocked()):
                     break
                 await self._settled(stop)
@@ -248,6 +230,16 @@ class Producer:
         self._at_bound = at_bound and not claims
         return claims
 
+    def _poll_wait(self, claims: list[Claim]) -> float:
+        """The wait until the next look: ADMIT_POLL_S at the bound, POLL_S after a claim, and
+        after an empty look (no work) the last wait doubled, up to producer.idle_poll_max_s."""
+        if claims or self._at_bound:
+            self._idle_poll = POLL_S
+            return ADMIT_POLL_S if self._at_bound else POLL_S
+        wait = self._idle_poll
+        self._idle_poll = min(2 * wait, max(POLL_S, self.settings.producer.idle_poll_max_s))
+        return wait
+
     def _hand_back(self, claims: list[Claim]) -> None:
         for claim in claims:
             self.buffer.abort(claim, [])
@@ -255,10 +247,11 @@ class Producer:
     def _admission_due(self) -> bool:
         """Whether the loop looks at admission now: woken (a weight sync, a resume, a group
         of this producer settled), or its next look is due."""
-        if self._wake.is_set() or asyncio.get_running_loop().time() >= self._next_admit:
+        if self._wake.is_set():
             self._wake.clear()
+            self._idle_poll = POLL_S  # something changed: look quickly again if this look is empty
             return True
-        return False
+        return asyncio.get_running_loop().time() >= self._next_admit
 
     def should_continue(self, task: str) -> bool:
         """sync mode asks the should_continue plug-in (default: accepted < the batch's
@@ -323,7 +316,8 @@ class Producer:
 
     async def _settled(self, stop: asyncio.Event) -> None:
         """Wait for a group to finish, a wake-up (weight sync, resume), the stop, or the
-        next look at admission: POLL_S for new work, ADMIT_POLL_S at the bound."""
+        next look at admission: POLL_S for new work (backing off to producer.idle_poll_max_s
+        while looks come back empty), ADMIT_POLL_S at the bound."""
         loop = asyncio.get_running_loop()
         timeout = max(POLL_S, self._next_admit - loop.time())
         if self.paused or not self._open.is_set():
@@ -340,6 +334,7 @@ class Producer:
         for task in [t for t in self.inflight if t.done()]:
             claim = self.inflight.pop(task)
             self._next_admit = 0.0  # a settle frees room (and may move the bound): look now
+            self._idle_poll = POLL_S
             failure = task.exception()
             if isinstance(failure, CorruptValueError):
                 raise failure  # a counter every settle fails on: stop, naming it (once)
@@ -347,7 +342,7 @@ class Producer:
                 # unsettled: the claim stays pending and is reclaimed (by this producer too,
                 # once idle: it no longer holds it), counted as a delivery
                 self.buffer.release([claim.entry])
-                log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
+                self.failures.failed(claim.group_id, task.exception())
                 self._count(claim, "error")
             else:
                 self._count(claim, task.result())
@@ -407,7 +402,9 @@ class Producer:
                 since = now - int(published.partition("-")[0]) / 1000
             weight_synced(model_step, reload_s, since)
             # say so now, not at the next heartbeat: trainers wait on it (wait_for_producers)
-            await asyncio.to_thread(self.control.heartbeat, self.name, self.model_step, len(self.inflight))
+            await asyncio.to_thread(
+                self.control.publish_status, self.name, self.model_step, len(self.inflight)
+            )
         finally:
             self._open.set()
             self._wake.set()  # the bound moved with the step: admit now, not at the next look
@@ -415,24 +412,11 @@ class Producer:
     async def record_metrics(self) -> None:
         """One record per model step in the run's metrics stream (capped)."""
         window, self.runner.window = self.runner.window, Window()
-        elapsed = max(1e-9, time.monotonic() - window.started)
+        ended = time.monotonic()
         busy = [h.busy_fraction for h in await self.pool.health() if h is not None]
-        outcomes = self.stats.outcomes
-        record: dict[Any, Any] = {
-            "producer": self.name,
-            "model_step": self.model_step,
-            "groups": window.groups,
-            "tokens": window.tokens,
-            "groups_per_s": round(window.groups / elapsed, 3),
-            "tokens_per_s": round(window.tokens / elapsed, 1),
-            "reward_mean": round(window.reward_sum / window.rewards, 4) if window.rewards else "",
-            "filtered": outcomes.get(FILTERED, 0),
-            "aborted": outcomes.get(ABORTED, 0),
-            "failed": outcomes.get(FAILED, 0),
-            "retried": self.runner.retries,
-            "admission_waits": self.stats.admission_waits,
-            "engine_busy": round(sum(busy) / len(busy), 3) if busy else "",
-        }
+        record = metrics_record(
+            self.name, self.model_step, window, ended, self.stats, self.runner.retries, busy
+        )
         await asyncio.to_thread(
             self.buffer.client.xadd, self.buffer.keys.metrics, record, maxlen=METRICS_CAP, approximate=True
         )
@@ -441,84 +425,31 @@ class Producer:
 
     async def _heartbeat(self) -> None:
         """Tell the run who is alive and on which step; keep held claims from being
-        reclaimed while their groups take long. The beats come from a thread of their own,
-        so that nothing that holds this event loop (a slow judge, a Redis call riding out an
-        outage) lets the producer's heartbeat expire or its claims be taken over by another
-        producer. This task fails when a beat does, and every few beats brings back an
+        reclaimed while their groups take long (producer/heartbeat.py: the beats come from
+        a thread of their own). Fails when a beat does; every few beats brings back an
         engine that Ray restarted at step 0 (a no-op for engines already on the step)."""
-        loop = asyncio.get_running_loop()
-        failed: asyncio.Future[None] = loop.create_future()
+        every_s = self.settings.producer.heartbeat_s
 
-        def fail(exc: BaseException) -> None:
-            if not failed.done():
-                failed.set_exception(exc)
+        def start(on_failure: Callable[[BaseException], None]) -> Heartbeat:
+            self._beats = producer_heartbeat(
+                self.name, self.control, self.buffer, self.liveness, every_s,
+                lambda: (self.model_step, self.inflight, self.paused), on_failure,
+            )  # fmt: skip
+            return self._beats
 
-        def beat_forever() -> None:
-            try:
-                while True:
-                    self._beat()
-                    if self._beats_stop.wait(self.settings.producer.heartbeat_s):
-                        return
-            except BaseException as exc:  # the producer stops rather than go on without liveness
-                with contextlib.suppress(RuntimeError):  # the loop is gone already
-                    loop.call_soon_threadsafe(fail, exc)
+        def check_engines() -> Awaitable[list[int]] | None:
+            if not self._open.is_set():
+                return None
+            return self.pool.sync_weights(self.model_step, mode=self.settings.rollout.on_weight_sync)
 
-        self._beats_stop.clear()
-        self._beats = threading.Thread(target=beat_forever, name=f"heartbeat-{self.name}", daemon=True)
-        self._beats.start()
-        try:
-            while True:
-                await asyncio.wait([failed], timeout=self.settings.producer.heartbeat_s * ENGINE_CHECK_EVERY)
-                if failed.done():
-                    failed.result()
-                if self._open.is_set():
-                    await self.pool.sync_weights(self.model_step, mode=self.settings.rollout.on_weight_sync)
-        except asyncio.CancelledError:
-            raise  # the stop: the thread beats on while in-flight groups finish (_shutdown)
-        except BaseException:
-            self._beats_stop.set()
-            raise
-
-    def _beat(self) -> None:
-        """One beat, in the heartbeat thread: the state hash's heartbeat, the liveness key,
-        the idle time of the claims held."""
-        inflight = len(self.inflight)
-        self.control.heartbeat(self.name, self.model_step, inflight)
-        if self.liveness is not None:
-            self.liveness.beat(model_step=self.model_step, inflight=inflight, paused=self.paused)
-        self.buffer.touch(self._held())
-
-    def _held(self) -> list[Entry]:
-        """The entries of the claims in flight, read from the heartbeat thread while the
-        event loop may add or remove one."""
-        while True:
-            try:
-                return [claim.entry for claim in list(self.inflight.values())]
-            except RuntimeError:  # the dict changed size while it was copied: again
-                continue
-
-    async def _stop_beats(self) -> None:
-        """Stop the heartbeat thread and wait (bounded) for a beat under way, so that no
-        beat lands after the stop has removed this producer's heartbeat."""
-        self._beats_stop.set()
-        if self._beats is not None and self._beats.is_alive():
-            await asyncio.to_thread(self._beats.join, BEAT_JOIN_S)
+        await keep_beating(start, every_s, check_engines)
 
     async def _report(self) -> None:
-        """A progress line every process.progress_s: claims and groups per second, in
-        flight, model step."""
-        every = self.settings.process.progress_s
-        last, claims, groups = time.monotonic(), self.stats.claims, self.stats.groups
-        while True:
-            await asyncio.sleep(every)
-            now = time.monotonic()
-            dt = max(1e-9, now - last)
-            log.info(
-                "producer %s: %.1f claims/s, %.1f groups/s, %d in flight, model step %d%s",
-                self.name, (self.stats.claims - claims) / dt, (self.stats.groups - groups) / dt,
-                len(self.inflight), self.model_step, ", paused" if self.paused else "",
-            )  # fmt: skip
-            last, claims, groups = now, self.stats.claims, self.stats.groups
+        """A progress line every process.progress_s."""
+        await report_progress(
+            self.name, self.stats, self.settings.process.progress_s,
+            lambda: (len(self.inflight), self.model_step, self.paused),
+        )  # fmt: skip
 
     async def _until_cold(self, tasks: Iterable[asyncio.Task[str]], timeout: float) -> set[asyncio.Task[str]]:
         """Wait up to ``timeout`` for ``tasks``, less if a cold stop comes; the ones not done."""
@@ -543,7 +474,7 @@ class Producer:
         try:
             await self._drain(grace_s)
         finally:
-            await self._stop_beats()
+            await stop_beating(self._beats)
         self.control.forget(self.name)  # the liveness key is its owner's to clear
 
     async def _drain(self, grace_s: float) -> None:
@@ -562,5 +493,6 @@ class Producer:
             if not task.cancelled() and task.exception() is None:
                 self._count(claim, task.result())
             elif not task.cancelled():
-                log.error("group %s failed: %s", claim.group_id, _why(task.exception()))
+                self.failures.failed(claim.group_id, task.exception())
             self.inflight.pop(task)
+        self.failures.flush()

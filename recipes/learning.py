@@ -13,9 +13,11 @@ advantage (r - mean) / (std + 1e-4), Adam at 1e-3, one update a batch.
 
 ``run_learning`` does one run on a Redis the caller names (an embedded one in the
 demo and the tests) and the Ray cluster of this process (a local one is started if
-there is none), reporting each step as it goes; steps are numbered from 1 and each
-carries the wall seconds since the trainer started, so that recipes compare by steps
-and by seconds to a reward.
+there is none, leaving the process's SIGTERM and SIGINT handlers as they were:
+producer/ray_signals.py), reporting each step as it goes; steps are numbered from 1
+and each carries the wall seconds since the trainer started, so that recipes compare
+by steps and by seconds to a reward. The caller's ``stop`` event ends it early, as the
+trainer's warm stop (``cold``: its cold stop).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from rollstream.consumer.evaluation import EvalSet, Evaluator
 from rollstream.consumer.losses import AlgorithmConfig
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.recipes import reverse
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.records import Prompt
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -227,14 +229,22 @@ def run_learning(
     on_step: Callable[[StepRecord], None] | None = None,
     lr: float = reverse.LR,
     stop_at_accuracy: float | None = None,
+    stop: threading.Event | None = None,
+    cold: threading.Event | None = None,
 ) -> LearnResult:
     """One run of ``recipe``: up to ``steps`` train steps (fewer once the trailing mean
     reward reaches ``stop_at``, or an eval's greedy accuracy on the held-out prompts
-    reaches ``stop_at_accuracy``), an eval every ``eval_every`` steps (0: none)."""
+    reaches ``stop_at_accuracy``), an eval every ``eval_every`` steps (0: none).
+
+    ``stop`` (a SIGTERM's, say) ends the training after the step in progress, which is
+    committed, as the reference trainer's warm stop does, and no eval follows; ``cold``
+    (set with or after it) ends it at once, the step in progress not committed. The run
+    sets ``stop`` itself when the training ends."""
     import torch
 
     from rollstream.consumer.pg import PolicyGradient
-    from rollstream.producer.pool import EnginePool, init_ray
+    from rollstream.producer.pool import EnginePool
+    from rollstream.producer.ray_signals import init_ray_keeping_signals
 
     started = time.monotonic()
     work = Path(work_dir)
@@ -246,7 +256,7 @@ def run_learning(
     # enough for every step, what admission lets producers run ahead, and the evals' none
     ahead = (settings.rollout.stale_threshold + 2) * PROMPTS_PER_STEP
     feed = training_prompts(train, steps * PROMPTS_PER_STEP + ahead, seed)
-    fed = ReplayBuffer(client, settings, f"{run}-feeder").feed(feed).added
+    fed = open_buffer(client, settings, f"{run}-feeder").feed(feed).added
     torch.manual_seed(seed)
     policy = PolicyGradient(str(model_dir), str(work / run / "weights"), lr=lr, algorithm=recipe.algorithm)
     evaluator = None
@@ -256,14 +266,19 @@ def run_learning(
     trainer = ReferenceTrainer(
         client, settings, consumer=f"{run}-trainer", policy=policy, evaluator=evaluator
     )
-    init_ray(local=True)
-    pool = EnginePool.start(settings, detached=False)
     result = LearnResult(recipe.name, seed, settings, prompts_fed=fed)
+    if stop is not None and stop.is_set():
+        return result  # stopped before Ray and the engines came up: nothing to train on
+    init_ray_keeping_signals(local=True)
+    pool = EnginePool.start(settings.run, settings.engines, detached=False)
     try:
         result.setup_s = time.monotonic() - started
-        asyncio.run(_train(pool, trainer, steps, producers, result, on_step, stop_at, stop_at_accuracy))
+        stop = stop or threading.Event()
+        asyncio.run(
+            _train(pool, trainer, steps, producers, result, on_step, stop_at, stop_at_accuracy, stop, cold)
+        )
     finally:
-        EnginePool.stop(settings)
+        EnginePool.stop(settings.run, settings.engines.count)
     return result
 
 
@@ -302,16 +317,19 @@ async def _train(
     on_step: Callable[[StepRecord], None] | None,
     stop_at: float | None,
     stop_at_accuracy: float | None,
+    stop_training: threading.Event,
+    cold: threading.Event | None = None,
 ) -> None:
     """Producers on this event loop, the trainer in a thread; then, when the last step
-    had no eval, one on its weights (while the producers still serve)."""
+    had no eval and the training was not stopped from outside, one on its weights
+    (while the producers still serve)."""
     from rollstream.producer.worker import Producer
 
     settings, client = trainer.settings, trainer.reader.buffer.client
     stop_producers = asyncio.Event()
     workers = [Producer(settings, client, pool, f"{settings.run}-producer-{i}") for i in range(producers)]
     running = [asyncio.create_task(p.run(stop_producers)) for p in workers]
-    stop_training = threading.Event()
+    ended = threading.Event()  # the run's own reasons to stop: a target reached, a producer gone
     started = time.monotonic()
 
     def record(entry: StepLog) -> None:
@@ -327,16 +345,19 @@ async def _train(
         if on_step is not None:
             on_step(step)
         if should_stop(result, trainer.evaluator, stop_at, stop_at_accuracy):
+            ended.set()
             stop_training.set()
 
-    training = asyncio.create_task(asyncio.to_thread(trainer.run, steps, record, stop_training))
+    training = asyncio.create_task(asyncio.to_thread(trainer.run, steps, record, stop_training, cold))
     try:
         await asyncio.wait([training, *running], return_when=asyncio.FIRST_COMPLETED)
         if not training.done():  # a producer stopped: the trainer would wait for ever
+            ended.set()
             stop_training.set()
         await training
         last = result.steps[-1] if result.steps else None
-        if trainer.evaluator is not None and last is not None and not last.eval:
+        stopped = stop_training.is_set() and not ended.is_set()  # by the caller: no eval now
+        if trainer.evaluator is not None and last is not None and not last.eval and not stopped:
             last.eval = await asyncio.to_thread(trainer.evaluator, last.step, trainer.reader.control)
         busy = [h.busy_total for h in await pool.health() if h is not None]
         result.engine_busy = sum(busy) / len(busy) if busy else None

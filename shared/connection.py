@@ -26,17 +26,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import SSLConnection
 from redis.retry import Retry
-from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError
 
 from rollstream.shared import redisurl, telemetry
 from rollstream.shared.errors import RedisTooOld, RedisUnavailable, SettingsError
+from rollstream.shared.redis_cluster import cluster_client
+from rollstream.shared.redis_sentinel import sentinel_client
 from rollstream.shared.settings import ENV_PREFIX, RedisSettings, redact_url
 from rollstream.shared.waiting import NotYet, wait_until
 
@@ -45,6 +45,20 @@ MIN_VERSION = (6, 2)  # XAUTOCLAIM and XPENDING ... IDLE
 # manager may have stopped Redis with everything else.
 STOPPING = threading.Event()
 STOPPING_LIMIT_S = 0.5
+# Redis servers (as shown in the log) that a stopping process found gone: each later call
+# to them while it stops fails at once instead of waiting STOPPING_LIMIT_S again, so
+# that a stop's few last writes (heartbeat keys, counts) cannot add up past a process
+# manager's grace (honcho's 5 s) once Redis itself was stopped first
+_GONE_WHILE_STOPPING: set[str] = set()
+
+
+def stop_over() -> None:
+    """This process's stop is over (a test, the demo's next part go on in it): outages
+    are ridden out again."""
+    _GONE_WHILE_STOPPING.clear()
+    STOPPING.clear()
+
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -64,6 +78,10 @@ class OutageRetry(Retry):
     def _limit(self) -> float:
         return min(self.limit_s, STOPPING_LIMIT_S) if STOPPING.is_set() else self.limit_s
 
+    def _gone(self) -> bool:
+        """Whether this process, stopping, already gave up on this Redis."""
+        return STOPPING.is_set() and self.shown_url in _GONE_WHILE_STOPPING
+
     def call_with_retry(
         self,
         do: Callable[[], T],
@@ -80,6 +98,8 @@ class OutageRetry(Retry):
             except self._supported_errors as error:
                 if is_retryable and not is_retryable(error):
                     raise
+                if self._gone():
+                    raise  # said once already: "gone ... while stopping"
                 failures += 1
                 if with_failure_count:
                     fail(error, failures)
@@ -95,9 +115,15 @@ class OutageRetry(Retry):
                 elif now - started >= self._limit():
                     log.error("Redis at %s gone for %.1f s: giving up", self.shown_url, now - started)
                     telemetry.outage(now - started)
+                    if STOPPING.is_set():
+                        _GONE_WHILE_STOPPING.add(self.shown_url)
+                        log.warning("Redis at %s gone while this process stops: its last writes to it "
+                                    "fail at once from now", self.shown_url)  # fmt: skip
                     raise
                 time.sleep(self._backoff.compute(failures))
             else:
+                if _GONE_WHILE_STOPPING:
+                    _GONE_WHILE_STOPPING.discard(self.shown_url)
                 if failures:
                     log.info(
                         "Redis at %s answers again after %.1f s", self.shown_url, time.monotonic() - started
@@ -132,70 +158,11 @@ def _client(settings: RedisSettings, retry: Retry | None) -> redis.Redis:
         "retry": retry if retry is not None else Retry(ExponentialWithJitterBackoff(), 0),
     }
     if redisurl.scheme_of(settings.url) in redisurl.SENTINELS:
-        return _sentinel_client(redisurl.parse(settings.url), options)
+        return sentinel_client(redisurl.parse(settings.url), options)
     if redisurl.scheme_of(settings.url) == redisurl.CLUSTER:
-        return _cluster_client(redisurl.parse(settings.url), options)
+        outage = retry if isinstance(retry, OutageRetry) else None
+        return cluster_client(redisurl.parse(settings.url), options, outage)
     return redis.Redis.from_url(settings.url, **options)
-
-
-class FollowingConnection(SentinelManagedConnection):
-    """A connection to the primary that the Sentinels name, asked at every socket connect.
-
-    redis-py's own asks only in ``connect()``: a connection that drops while a command is
-    in flight is connected again inside the retry loop (``send_packed_command``), to the
-    address it had, which after a failover is the dead primary's, until the outage limit."""
-
-    def _connect(self) -> Any:
-        if self.connection_pool.is_master:
-            self.host, self.port = self.connection_pool.get_master_address()
-        return super()._connect()  # type: ignore[no-untyped-call]
-
-
-class FollowingSSLConnection(FollowingConnection, SSLConnection):
-    """FollowingConnection over TLS (rediss+sentinel://)."""
-
-
-def _sentinel_client(target: redisurl.MultiHostUrl, options: dict[str, Any]) -> redis.Redis:
-    """A client of the primary that the Sentinels name, asked again at each (re)connect."""
-    sentinel_options: dict[str, Any] = {
-        "socket_timeout": min(options["socket_timeout"], 5.0),
-        "socket_connect_timeout": min(options["socket_connect_timeout"], 5.0),
-    }
-    if "sentinel_password" in target.options:
-        sentinel_options["password"] = target.options["sentinel_password"]
-    if "sentinel_username" in target.options:
-        sentinel_options["username"] = target.options["sentinel_username"]
-    tls = {name: value for name, value in target.options.items() if name in redisurl.TLS_QUERY}
-    if target.tls:
-        sentinel_options.update(ssl=True, **tls)
-        options = {**options, **tls}
-    sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
-        target.service,
-        db=target.db,
-        username=target.username,
-        password=target.password,
-        connection_class=FollowingSSLConnection if target.tls else FollowingConnection,
-        **options,
-    )
-    return client
-
-
-def _cluster_client(target: redisurl.MultiHostUrl, options: dict[str, Any]) -> redis.Redis:
-    """A Redis Cluster client: each command goes to the master of its key's slot. Every key
-    of a run shares the ``{run}`` hash tag, so a run lives on one master and its scripts,
-    transactions and multi-stream reads are legal there."""
-    nodes = [ClusterNode(host, port) for host, port in target.hosts]  # type: ignore[no-untyped-call]
-    client = RedisCluster(
-        startup_nodes=nodes,
-        username=target.username,
-        password=target.password,
-        socket_timeout=options["socket_timeout"],
-        socket_connect_timeout=options["socket_connect_timeout"],
-        health_check_interval=options["health_check_interval"],
-        retry=options["retry"],
-    )
-    return cast(redis.Redis, client)
 
 
 def refuse_on_cluster(settings: RedisSettings, what: str) -> None:
@@ -207,30 +174,16 @@ def refuse_on_cluster(settings: RedisSettings, what: str) -> None:
         )
 
 
-def server_for(client: redis.Redis, key: str) -> redis.Redis:
-    """A client of the one server that holds ``key``: the client itself, or in a Redis
-    Cluster a client of the master of the key's slot (for what must go over one
-    connection to it: a WATCH ... EXEC round trip, a write and the WAIT behind it)."""
-    if isinstance(client, RedisCluster):
-        node = client.get_node_from_key(key)
-        return node.redis_connection or client.get_redis_connection(node)
-    return client
-
-
-def pool_for(client: redis.Redis, key: str) -> redis.ConnectionPool:
-    """The connection pool of the server that holds ``key`` (see :func:`server_for`)."""
-    return server_for(client, key).connection_pool
-
-
 def reason(error: BaseException) -> str:
     """One short line for a connection error. redis-py's MasterNotFoundError repeats the
     whole configuration of every Sentinel's client; this names the service instead."""
     if isinstance(error, MasterNotFoundError):
         service = str(error).split("'")[1] if str(error).count("'") >= 2 else "?"
+        _, _, detail = str(error).partition(" : ")  # NewestSentinel's: which did not answer, why
         return (
             f"no Sentinel answered with a primary for service {service!r} (are the Sentinels of "
             "redis.url up, do they take its ?sentinel_password=, and is that the name in their "
-            "`sentinel monitor` line?)"
+            "`sentinel monitor` line?)" + (f"; {detail}" if detail else "")
         )
     return str(error) or type(error).__name__
 
@@ -261,7 +214,48 @@ def check_server(client: redis.Redis, url: str) -> str:
             f"Redis at {shown} is {version}; rollstream needs >= "
             f"{'.'.join(map(str, MIN_VERSION))} (XAUTOCLAIM)"
         )
+    risk = eviction_risk(client)
+    if risk is not None and shown not in _EVICTION_WARNED:
+        _EVICTION_WARNED.add(shown)  # once per process and server, not per client
+        log.warning("Redis at %s: %s", shown, risk)
     return version
+
+
+_EVICTION_WARNED: set[str] = set()
+
+
+def eviction_risk(client: redis.Redis) -> str | None:
+    """What the server's maxmemory-policy risks for a run, or None: noeviction (a full
+    Redis refuses writes, rollstream says so and loses nothing), or INFO refused (a
+    least-privilege ACL user)."""
+    try:
+        memory: dict[str, Any] = client.info("memory")
+    except redis.ResponseError:
+        return None
+    if "maxmemory_policy" in memory:
+        policies = {str(memory["maxmemory_policy"])}
+    else:  # a Redis Cluster client: each node's
+        policies = {
+            str(v["maxmemory_policy"])
+            for v in memory.values()
+            if isinstance(v, dict) and "maxmemory_policy" in v
+        }
+    risky = sorted(policies - {"noeviction"})
+    if not risky:
+        return None
+    fix = (
+        "Set maxmemory-policy noeviction (a full Redis then refuses writes, which rollstream "
+        "reports, losing nothing)"
+    )
+    if all(policy.startswith("volatile") for policy in risky):
+        return (
+            f"maxmemory-policy {', '.join(risky)} evicts keys with a TTL when memory runs out: the "
+            f"processes' liveness keys, so that live producers look dead and their claims go to others. {fix}"
+        )
+    return (
+        f"maxmemory-policy {', '.join(risky)} evicts any key when memory runs out: a run's streams, "
+        f"counters and state can vanish without an error. {fix}"
+    )
 
 
 def _server_version(client: redis.Redis) -> str:

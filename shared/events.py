@@ -1,8 +1,9 @@
-"""The run's control plane: its state hash (model_step, train_step, producer
-heartbeats) and its events stream (weight syncs and control events).
+"""The run's control plane: its state hash (model_step, train_step, each producer's
+status) and its events stream (weight syncs and control events).
 
     rs:{run}:state    model_step, train_step, paused, ray_address,
-                      producer:{id} -> heartbeat JSON
+                      producer:{id} -> status JSON {model_step, inflight, ts}, which the
+                      producer's heartbeat (shared/liveness.py Heartbeat) renews
     rs:{run}:events   type (weight_sync | pause | resume | stop), model_step, uri, ts
 
 Every process reads every event (plain XREAD, no consumer group). The stream
@@ -77,10 +78,10 @@ end
 redis.call('HSET', KEYS[1], 'model_step', ARGV[1])
 return {'ok', redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))}
 """
-# KEYS: state hash. ARGV: field, model_step, inflight. A producer's heartbeat, stamped with
+# KEYS: state hash. ARGV: field, model_step, inflight. A producer's status, stamped with
 # the Redis server's clock: every reader compares it with that same clock, so a producer
 # whose own clock is off is not taken for dead.
-_HEARTBEAT = """
+_STATUS = """
 local clock = redis.call('TIME')
 local ts = string.format('%d.%06d', tonumber(clock[1]), tonumber(clock[2]))
 redis.call('HSET', KEYS[1], ARGV[1],
@@ -105,7 +106,11 @@ class Event:
 
 
 @dataclass(slots=True, frozen=True)
-class Heartbeat:
+class ProducerStatus:
+    """What a producer last published in the run's state: the model step its engines are
+    on, its groups in flight, and when (``ts``, the Redis server's clock). Its heartbeat
+    renews it; one older than the readers' bound is a dead producer's."""
+
     producer: str
     model_step: int
     inflight: int
@@ -257,9 +262,9 @@ class RunControl:
             return None
         return Event(id=entry_id, type=type_, model_step=model_step, uri=uri, ts=ts)
 
-    def heartbeat(self, producer: str, model_step: int, inflight: int) -> None:
-        """Write a producer's heartbeat, its ``ts`` from the Redis server's clock (TIME)."""
-        self.client.eval(_HEARTBEAT, 1, self.keys.state, producer_beat_field(producer), int(model_step),
+    def publish_status(self, producer: str, model_step: int, inflight: int) -> None:
+        """Write a producer's status, its ``ts`` from the Redis server's clock (TIME)."""
+        self.client.eval(_STATUS, 1, self.keys.state, producer_beat_field(producer), int(model_step),
                          int(inflight))  # fmt: skip
 
     def server_time(self) -> float:
@@ -270,10 +275,10 @@ class RunControl:
     def forget(self, producer: str) -> None:
         self.client.hdel(self.keys.state, producer_beat_field(producer))
 
-    def producers(self, max_age_s: float) -> list[Heartbeat]:
-        """Producers whose last heartbeat is younger than ``max_age_s``; older ones are
+    def producers(self, max_age_s: float) -> list[ProducerStatus]:
+        """Producers whose last status is younger than ``max_age_s``; older ones are
         removed from the state as dead. Ages are measured on the Redis server's clock,
-        which stamps the heartbeats: a producer's own clock does not matter."""
+        which stamps the statuses: a producer's own clock does not matter."""
         now = self.server_time()
         live, dead = [], []
         for name, raw in self.client.hgetall(self.keys.state).items():
@@ -282,20 +287,22 @@ class RunControl:
                 continue
             try:
                 beat = orjson.loads(raw)
-                heartbeat = Heartbeat(
+                status = ProducerStatus(
                     key[len(PRODUCER_BEAT) :],
                     int(beat["model_step"]),
                     int(beat["inflight"]),
                     float(beat["ts"]),
                 )
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                log.warning("removing an unreadable heartbeat %s of %s: %r", key, self.keys.state, raw[:100])
+                log.warning(
+                    "removing an unreadable producer status %s of %s: %r", key, self.keys.state, raw[:100]
+                )
                 dead.append(key)
                 continue
-            if now - heartbeat.ts > max_age_s:
+            if now - status.ts > max_age_s:
                 dead.append(key)
             else:
-                live.append(heartbeat)
+                live.append(status)
         if dead:
             self.client.hdel(self.keys.state, *dead)
         return sorted(live, key=lambda b: b.producer)

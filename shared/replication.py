@@ -21,11 +21,16 @@ import time
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import MovedError
 
-from rollstream.shared.connection import server_for
+from rollstream.shared import telemetry
+from rollstream.shared.connection import OutageRetry
 from rollstream.shared.errors import ReplicasBehind
 from rollstream.shared.keys import REPLICATED, TRAIN_STEP, Keys
+from rollstream.shared.redis_cluster import follow_slot_said, server_for
 from rollstream.shared.settings import RedisSettings, redact_url
+from rollstream.shared.streams import ROUND_TRIP_REDIRECTS
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +59,11 @@ def wait_for_replicas(
     shown = redact_url(settings.url)
     started = time.monotonic()
     warned = False
-    server = server_for(client, keys.state)  # in a Redis Cluster: the run's master
+    barrier = _barrier_on_cluster if isinstance(client, RedisCluster) else _barrier
     while True:
-        pipe = server.pipeline(transaction=False)
-        pipe.eval(_BARRIER, 1, keys.state, TRAIN_STEP, committed_step, REPLICATED)
-        pipe.execute_command("WAIT", wanted, settings.wait_timeout_ms)  # type: ignore[no-untyped-call]
-        replies: list[Any] = pipe.execute()
-        step, acked = int(replies[0]), int(replies[1])
+        step, acked = barrier(client, keys, settings, committed_step)
         if step < 0:
+            telemetry.replicas_failed("lost_commit")
             raise ReplicasBehind(
                 shown,
                 f"{what}: the primary holds train_step {-1 - step}, not {committed_step}: a failover "
@@ -69,11 +71,13 @@ def wait_for_replicas(
                 "are pending again and the step is redone)",
             )
         if acked >= wanted:
+            telemetry.replicas_waited(time.monotonic() - started)
             if warned:
                 log.info("%s: %d replicas hold it after %.1f s", what, acked, time.monotonic() - started)
             return acked
         waited = time.monotonic() - started
         if waited >= settings.outage_limit_s:
+            telemetry.replicas_failed("behind")
             raise ReplicasBehind(
                 shown,
                 f"{what}: {acked} replicas acknowledged it within {waited:.1f} s, fewer than "
@@ -87,3 +91,44 @@ def wait_for_replicas(
                 settings.outage_limit_s,
             )  # fmt: skip
             warned = True
+
+
+def _barrier(
+    client: redis.Redis, keys: Keys, settings: RedisSettings, committed_step: int
+) -> tuple[int, int]:
+    """The barrier script and WAIT behind it on one connection of the server of the run's
+    state (in a Redis Cluster, its master as the slot map names it): (the barrier's
+    reply, the replicas that acknowledged)."""
+    pipe = server_for(client, keys.state).pipeline(transaction=False)
+    pipe.eval(_BARRIER, 1, keys.state, TRAIN_STEP, committed_step, REPLICATED)
+    pipe.execute_command("WAIT", settings.wait_replicas, settings.wait_timeout_ms)  # type: ignore[no-untyped-call]
+    replies: list[Any] = pipe.execute()
+    return int(replies[0]), int(replies[1])
+
+
+def _barrier_on_cluster(
+    client: redis.Redis, keys: Keys, settings: RedisSettings, committed_step: int
+) -> tuple[int, int]:
+    """:func:`_barrier` following the run's slot: after a dropped connection, a timeout
+    or MOVED (nothing ran: the script's write is refused, and WAIT stays unsent) the
+    cluster's slot map is asked for again and both are sent again to the slot's master
+    now, with the outage retry. Sending the barrier twice only bumps its counter twice."""
+    if settings.outage_limit_s <= 0:
+        return _barrier(client, keys, settings, committed_step)
+    retry = OutageRetry(redact_url(settings.url), settings.outage_limit_s)
+    retry.update_supported_errors([MovedError])  # MOVED again and again: the retry waits
+
+    def follow(error: Exception) -> None:
+        follow_slot_said(client, keys.state, error, "the barrier and WAIT")
+
+    def attempt() -> tuple[int, int]:
+        # MOVED: the slot has another master (a failover ended) and nothing ran there; not
+        # an outage: the map is asked again and the barrier sent at once to the master now
+        for _ in range(ROUND_TRIP_REDIRECTS):
+            try:
+                return _barrier(client, keys, settings, committed_step)
+            except MovedError as moved:
+                follow(moved)
+        return _barrier(client, keys, settings, committed_step)
+
+    return retry.call_with_retry(attempt, follow)

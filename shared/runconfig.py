@@ -14,15 +14,40 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
 
+from rollstream.shared.allocation import allocate_batch_sizes
 from rollstream.shared.codec import FORMAT_VERSION, check_format
 from rollstream.shared.errors import RunLost, RunSettingsMismatch, SettingsError
 from rollstream.shared.keys import FORMAT, RUN_ID, RUN_LOST, RUN_SETTINGS, TRAIN_STEP, Keys
 from rollstream.shared.settings import ENV_PREFIX, Settings, redact_url
+
+if TYPE_CHECKING:
+    from rollstream.shared.buffer import ReplayBuffer
+
+
+def open_buffer(client: redis.Redis, settings: Settings, consumer: str | None = None) -> ReplayBuffer:
+    """The run's replay buffer for ``consumer``, built from the whole settings tree: the
+    one place that picks the buffer's sections out of it (a process's composition root,
+    a test, a benchmark), so that the buffer itself takes only what it uses."""
+    from rollstream.shared.buffer import ReplayBuffer
+
+    return ReplayBuffer(
+        client,
+        Keys(settings.run),
+        settings.buffer,
+        consumer,
+        archive=settings.archive,
+        stale_threshold=settings.rollout.stale_threshold,
+    )
+
+
+def task_quota(settings: Settings) -> dict[str, int]:
+    """The groups of each task in one train step: the batch size split by the tasks' weights."""
+    return allocate_batch_sizes(settings.rollout.batch_size, {t.name: t.weight for t in settings.tasks})
 
 
 def agreed_settings(settings: Settings) -> dict[str, Any]:

@@ -35,7 +35,7 @@ _DEAD_LETTER_FN = (
 local DEAD_HEADER = """
     + _lua_strings(DEAD_HEADER)
     + """
-local function dead_letter(dead, source, id, reason, attempts, fields)
+local function dead_letter(dead, source, id, reason, attempts, fields, cap)
   local args, header, values = {}, {}, {reason, attempts, source, id}
   for i, name in ipairs(DEAD_HEADER) do
     args[#args + 1] = name
@@ -50,6 +50,8 @@ local function dead_letter(dead, source, id, reason, attempts, fields)
       args[#args + 1] = fields[i + 1]
     end
   end
+  -- capped (MAXLEN ~) when the caller gave a cap: readers must not rely on older dead letters
+  if cap and cap ~= '' then return redis.call('XADD', dead, 'MAXLEN', '~', cap, '*', unpack(args)) end
   return redis.call('XADD', dead, '*', unpack(args))
 end
 """
@@ -232,7 +234,8 @@ return #gone
 # KEYS: stream, dead stream, progress hash, fence counter of the stream
 # ARGV: group, consumer, min idle ms, start id, count, max attempts, dead progress field,
 #       groups_dead progress field ('' = none), '1' to take back own entries too, then
-#       the ids of this stream the caller holds (never taken)
+#       'maxlen=N', the dead stream's cap (MAXLEN ~, buffer.dead_maxlen; optional), then the
+#       ids of this stream the caller holds (never taken)
 # Takes over entries idle longer than min idle from *other* consumers, and the caller's
 # own entries that it no longer holds (a settle that failed on a lost connection, a claim
 # or a read whose reply was lost and the command sent again: pending under a live
@@ -255,7 +258,9 @@ local count = tonumber(ARGV[5])
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', count)
 local max_attempts = tonumber(ARGV[6])
 local own, held = ARGV[9] == '1', {}
-for i = 10, #ARGV do held[ARGV[i]] = true end
+local cap, first = nil, 10
+if ARGV[10] and string.sub(ARGV[10], 1, 7) == 'maxlen=' then cap, first = string.sub(ARGV[10], 8), 11 end
+for i = first, #ARGV do held[ARGV[i]] = true end
 local out, dead, fenced = {}, 0, false
 for _, p in ipairs(pending) do
   local id, owner, deliveries = p[1], p[2], p[4] + 1
@@ -269,11 +274,11 @@ for _, p in ipairs(pending) do
     if not entry or not entry[2] then
       -- deleted while pending: Redis 7 has dropped it from the pending list, 6.2 keeps it
       redis.call('XACK', KEYS[1], ARGV[1], id)
-      dead_letter(KEYS[2], KEYS[1], id, 'deleted while pending', deliveries, nil)
+      dead_letter(KEYS[2], KEYS[1], id, 'deleted while pending', deliveries, nil, cap)
       dead = dead + 1
     elseif deliveries > max_attempts then
       local reason = 'delivered ' .. deliveries .. ' times, more than max_attempts ' .. max_attempts
-      dead_letter(KEYS[2], KEYS[1], id, reason, deliveries, entry[2])
+      dead_letter(KEYS[2], KEYS[1], id, reason, deliveries, entry[2], cap)
       redis.call('XACK', KEYS[1], ARGV[1], id)
       redis.call('XDEL', KEYS[1], id)
       dead = dead + 1
@@ -291,7 +296,8 @@ return {cursor, out}
 )
 
 # KEYS: stream, dead stream, progress hash, fence counter of the stream
-# ARGV: group, id, reason, dead progress field, groups_dead progress field ('' = none)
+# ARGV: group, id, reason, dead progress field, groups_dead progress field ('' = none),
+#       the dead stream's cap (MAXLEN ~, buffer.dead_maxlen; optional)
 # An operator's dead letter of one entry, pending or not, whoever holds it: appends the
 # dead letter, acks and deletes the entry, counts it, and bumps the fence (a settle of its
 # holder in flight then finds it gone and writes nothing). Returns {dead letter id, owner
@@ -318,7 +324,7 @@ check_counter(KEYS[3], ARGV[5])
 local owner, deliveries = '', 0
 if #pending > 0 then owner, deliveries = pending[1][2], pending[1][4] end
 redis.call('INCR', KEYS[4])
-local dead = dead_letter(KEYS[2], KEYS[1], ARGV[2], ARGV[3], deliveries, entry and entry[2] or nil)
+local dead = dead_letter(KEYS[2], KEYS[1], ARGV[2], ARGV[3], deliveries, entry and entry[2] or nil, ARGV[6])
 if #pending > 0 then redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) end
 if entry then redis.call('XDEL', KEYS[1], ARGV[2]) end
 redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
@@ -350,7 +356,9 @@ return lost
 #       fields: the task's accepted count, then those subtracted from it
 # Admission control, atomic across producers: claims new entries, in pool order, only
 # while accepted + running < limit. accepted = completed minus the UNTRAINABLE counters
-# (groups that can still be trained on); running = entries pending in the pools.
+# (groups that can still be trained on); running = entries pending in the pools, the
+# group's total from XINFO GROUPS: O(groups of the stream), where XPENDING's summary form
+# also lists every consumer, O(consumers) and 3 x 64 of them a claim at 64 producers.
 # Returns {{stream, id, {field, value, ...}}, ...}.
 CLAIM_BOUNDED = """
 local function counter(field)
@@ -359,7 +367,22 @@ end
 local accepted = counter(ARGV[6])
 for i = 7, #ARGV do accepted = accepted - counter(ARGV[i]) end
 local running = 0
-for i = 1, 3 do running = running + redis.call('XPENDING', KEYS[i], ARGV[1])[1] end
+local function pending(stream)
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if groups.err == nil then
+    for _, group in ipairs(groups) do
+      local name, count
+      for j = 1, #group, 2 do
+        if group[j] == 'name' then name = group[j + 1] end
+        if group[j] == 'pending' then count = group[j + 1] end
+      end
+      if name == ARGV[1] then return tonumber(count) end
+    end
+  end
+  -- no such stream or group: XPENDING answers with the error it always did
+  return redis.call('XPENDING', stream, ARGV[1])[1]
+end
+for i = 1, 3 do running = running + pending(KEYS[i]) end
 local room = math.min(tonumber(ARGV[3]), tonumber(ARGV[4]) - accepted - running)
 local out = {}
 for i = 1, 3 do

@@ -26,6 +26,7 @@ from rollstream.shared.keys import (
     progress_field,
 )
 from rollstream.shared.liveness import ProcessBeat, live_processes
+from rollstream.shared.redis_cluster import scan_run
 from rollstream.shared.streams import text
 
 
@@ -113,7 +114,7 @@ def _int(value: Any) -> int | None:
 def stream_keys(client: redis.Redis, keys: Keys) -> list[tuple[str, str, str]]:
     """(key, kind, task) of every per-task stream of the run, sorted."""
     found = []
-    for raw in client.scan_iter(match=keys.pattern, count=1000, _type="stream"):
+    for raw in scan_run(client, keys.state, keys.pattern, 1000, "stream"):
         key = text(raw)
         parsed = keys.parse_stream(key)
         if parsed:
@@ -244,7 +245,7 @@ def wrong_types(client: redis.Redis, keys: Keys, limit: int = 10_000) -> list[st
     """The run's keys that hold another type than rollstream keeps there (what a WRONGTYPE
     reply does not say), e.g. "rs:{exp}:state holds a string, not a hash"."""
     out = []
-    for i, raw in enumerate(client.scan_iter(match=keys.pattern, count=500)):
+    for i, raw in enumerate(scan_run(client, keys.state, keys.pattern, 500)):
         if i >= limit:
             break
         key = text(raw)

@@ -29,6 +29,7 @@ against each other.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -39,12 +40,14 @@ from typing import Any
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.connection import pool_for
 from rollstream.shared.errors import CorruptValueError, RedisOutOfMemory, ReplayBufferError
 from rollstream.shared.keys import GROUP_OF_KIND, Keys
 from rollstream.shared.records import MAX_STEP
+from rollstream.shared.redis_cluster import follow_slot_said, pool_for
 from rollstream.shared.resp import CommandWriter
 from rollstream.shared.scripts import SETTLE_GATE
+
+_log = logging.getLogger(__name__)
 
 
 def text(value: Any) -> str:
@@ -53,6 +56,7 @@ def text(value: Any) -> str:
 
 INT64_MAX = 2**63 - 1
 SETTLE_RESENDS = 3  # a settle sent again after a dropped connection, when it did not run
+ROUND_TRIP_REDIRECTS = 3  # a round trip sent again after MOVED (in a cluster: nothing ran)
 _INTEGER = re.compile(r"-?[0-9]{1,19}")  # what Redis writes for an integer: no "+", "_" or spaces
 
 
@@ -165,6 +169,7 @@ class ConsumerStreams:
         self.client = client
         self.keys = keys
         self.consumer = consumer
+        self.caps: dict[str, int] = {}  # stream -> MAXLEN ~ of each XADD a settle makes to it
         self._ensured: set[str] = set()
         self._local = threading.local()  # a CommandWriter per thread
 
@@ -315,7 +320,8 @@ class ConsumerStreams:
                 flat: list[Any] = []
                 for name, value in (s.fields or {}).items():
                     flat += (name, value)
-                writes.append(("XADD", s.dest, "*", *flat))
+                cap = ("MAXLEN", "~", self.caps[s.dest]) if s.dest in self.caps else ()
+                writes.append(("XADD", s.dest, *cap, "*", *flat))
             if s.log:
                 flat = []
                 for name, value in s.log[1].items():
@@ -331,7 +337,29 @@ class ConsumerStreams:
         """Send commands on one connection, written straight into one reusable buffer
         (shared/resp.py), and read every reply; error replies come back as exceptions
         in place. In a Redis Cluster, on the master of the run's slot (every key of a run
-        shares its hash tag)."""
+        shares its hash tag); after a failover there, a dropped connection refreshes the
+        cluster's slot map before it is raised (the caller sends again when nothing ran:
+        see settle_many), and a MOVED reply (the slot's master moved: nothing ran) refreshes
+        it and the commands are sent again to the slot's master now."""
+        moved = 0
+        while True:
+            try:
+                replies = self._send(commands)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._follow_slot(exc)
+                raise
+            redirect = next((r for r in replies if isinstance(r, redis.exceptions.MovedError)), None)
+            if redirect is None or moved >= ROUND_TRIP_REDIRECTS:
+                return replies
+            moved += 1
+            self._follow_slot(redirect)
+
+    def _follow_slot(self, error: Exception) -> None:
+        """The cluster's slot map asked for again after ``error`` (a no-op for one server),
+        said once per change of the slot's master."""
+        follow_slot_said(self.client, self.keys.state, error, "settles")
+
+    def _send(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         pool = pool_for(self.client, self.keys.state)
         conn = pool.get_connection()
         try:

@@ -154,11 +154,35 @@ REDIS_OUTAGES = Counter(
 REDIS_OUTAGE_SECONDS = Counter(
     "rollstream_redis_outage_seconds_total", "Seconds this process spent waiting for Redis to answer", BASE
 )
+REPLICA_WAIT_SECONDS = Histogram(
+    "rollstream_redis_replica_wait_seconds",
+    "How long a write waited for redis.wait_replicas replicas to hold it (WAIT), when they did",
+    BASE,
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+REPLICA_WAIT_FAILURES = Counter(
+    "rollstream_redis_replica_wait_failures_total",
+    "Writes that redis.wait_replicas replicas did not acknowledge, by reason: behind (fewer "
+    "replicas within redis.outage_limit_s) or lost_commit (a failover lost the trainer's commit)",
+    [*BASE, "reason"],
+)
+REPLICA_WAIT_REASONS = ("behind", "lost_commit")
+PRIMARY_CHANGES = Counter(
+    "rollstream_redis_primary_changes_total",
+    "Times this process's Sentinels named a primary at another address than before (a failover followed)",
+    BASE,
+)
 
 
 def identify(run: str, role: str) -> None:
-    """The run and role every figure of this process is labelled with."""
+    """The run and role every figure of this process is labelled with. The counters of
+    rare events (outages, failovers, failed replica waits) start at 0 now, not at their
+    first event: an alert's ``increase()`` sees that first one."""
     _identity.update(run=run, role=role)
+    for counter in (REDIS_OUTAGES, REDIS_OUTAGE_SECONDS, PRIMARY_CHANGES):
+        counter.labels(**labels())
+    for reason in REPLICA_WAIT_REASONS:
+        REPLICA_WAIT_FAILURES.labels(**labels(reason=reason))
 
 
 def labels(**extra: str) -> dict[str, str]:
@@ -326,6 +350,19 @@ def archive_lag(entries: int) -> None:
 def outage(seconds: float) -> None:
     REDIS_OUTAGES.labels(**labels()).inc()
     REDIS_OUTAGE_SECONDS.labels(**labels()).inc(max(0.0, seconds))
+
+
+def replicas_waited(seconds: float) -> None:
+    REPLICA_WAIT_SECONDS.labels(**labels()).observe(max(0.0, seconds))
+
+
+def replicas_failed(reason: str) -> None:
+    """``reason``: behind or lost_commit."""
+    REPLICA_WAIT_FAILURES.labels(**labels(reason=reason)).inc()
+
+
+def primary_changed() -> None:
+    PRIMARY_CHANGES.labels(**labels()).inc()
 
 
 def train_step(

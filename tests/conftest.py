@@ -8,6 +8,7 @@ the run instead of skipping it.
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,11 +17,13 @@ import fakeredis
 import pytest
 import redis
 
+from rollstream.consumer.batches import BatchReader
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import ServerNotFound
 from rollstream.shared.events import EventFollower
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
 
 CI = bool(os.environ.get("CI"))
@@ -42,6 +45,25 @@ def _isolated_env(
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _close_batch_readers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every BatchReader a test made is closed at its end: its keep-fresh thread touched the
+    groups it held on, against a redis-server the test had stopped, and warned twice a
+    second for the rest of the session (thousands of lines, and CPU, in later tests)."""
+    made: list[BatchReader] = []
+    init = BatchReader.__init__
+
+    @functools.wraps(init)
+    def tracked(self: BatchReader, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(BatchReader, "__init__", tracked)
+    yield
+    for reader in made:
+        reader.close()
 
 
 def _start(binary: str | None = None) -> EmbeddedRedis:
@@ -118,7 +140,7 @@ def fake_buffer(fake_client: redis.Redis, make_settings: SettingsFactory) -> Buf
     """ReplayBuffer on fakeredis: fake_buffer("producer-1", buffer={...})."""
 
     def make(consumer: str = "worker", **overrides: object) -> ReplayBuffer:
-        return ReplayBuffer(fake_client, make_settings(**overrides), consumer)
+        return open_buffer(fake_client, make_settings(**overrides), consumer)
 
     return make
 
@@ -132,7 +154,7 @@ def real_buffer(redis_server: EmbeddedRedis, make_settings: SettingsFactory) -> 
         settings = make_settings(redis_server.url, **overrides)
         client = connect(settings.redis)
         clients.append(client)
-        return ReplayBuffer(client, settings, consumer)
+        return open_buffer(client, settings, consumer)
 
     yield make
     for client in clients:

@@ -1,11 +1,13 @@
 """Real replicated Redis set-ups for the high-availability tests, on free ports, stopped
-by their pids: a primary, replicas and three Sentinels; a 3-master Redis Cluster."""
+by their pids: a primary, replicas and three Sentinels; a 3-master Redis Cluster, with a
+replica per master or none."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -32,6 +34,19 @@ class Node:
         folder.mkdir(parents=True, exist_ok=True)
 
     def start(self, config: str | None = None) -> Node:
+        """Start it and wait until it answers. At its first start a port that another
+        process took meanwhile (free_port only found it free) is swapped for a new one;
+        a restart keeps its port, which others know."""
+        first = self.proc is None and not (self.folder / "server.log").exists()
+        for _ in range(5):
+            self._spawn(config)
+            if self._came_up():
+                return self
+            assert first, f"port {self.port} taken by another process at a restart:\n{self.log_tail()}"
+            self.port = free_port()
+        raise AssertionError(f"no free port found for {self.folder}")
+
+    def _spawn(self, config: str | None) -> None:
         log = (self.folder / "server.log").open("ab")
         argv = [self.binary]
         if config is not None:
@@ -49,19 +64,26 @@ class Node:
         argv += ["--bind", "127.0.0.1", "--dir", str(self.folder), *self.args]
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
+
+    def _came_up(self) -> bool:
+        """True once this process answers on its port; False when it exited because the
+        port was taken (what answered there, if anything, was another process)."""
         client = self.client(timeout=0.5)
         try:
-            wait_for(lambda: self._answers(client), timeout=20)
+            return bool(wait_for(lambda: self._answers(client), timeout=20) == "up")
         finally:
             client.close()
-        return self
 
-    def _answers(self, client: redis.Redis) -> bool:
-        assert self.proc is not None and self.proc.poll() is None, self.log_tail()
+    def _answers(self, client: redis.Redis) -> str | None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            assert "Address already in use" in self.log_tail(), self.log_tail()
+            return "port taken"
         try:
-            return bool(client.ping())
+            pid = client.info("server").get("process_id")
         except redis.RedisError:
-            return False
+            return None
+        return "up" if pid == self.proc.pid else None  # else another process's, until ours exits
 
     def client(self, timeout: float = 5.0) -> redis.Redis:
         tls: dict[str, object] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls[0])}
@@ -116,6 +138,7 @@ class SentinelSet:
         password: str | None = None,
         sentinel_password: str | None = None,
         tls: tuple[Path, Path] | None = None,
+        failover_timeout_ms: int = 5000,
     ) -> None:
         """``password``: the data nodes' (requirepass); ``sentinel_password``: the Sentinels'."""
         self.binary = find_redis_server()
@@ -134,6 +157,7 @@ class SentinelSet:
             for i in range(3)
         ]
         self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
         for node in [*self.data, *self.sentinels]:
             node.tls = tls
         self.password = password
@@ -166,7 +190,7 @@ class SentinelSet:
         config = (
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 2\n"
             f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}\n"
-            f"sentinel failover-timeout {SERVICE} 5000\n"
+            f"sentinel failover-timeout {SERVICE} {self.failover_timeout_ms}\n"
             f"sentinel parallel-syncs {SERVICE} 1\n"
         )
         if self.password:
@@ -177,8 +201,30 @@ class SentinelSet:
             sentinel.start(config)
         wait_for(lambda: self.replicas_in_sync(len(self.data) - 1), timeout=30)
         # every Sentinel knows the others and the replicas before anything is failed over
-        wait_for(lambda: all(self._sees_all(s) for s in self.sentinels), timeout=30)
+        # (Sentinels learn the replicas from the primary's INFO every 10 s and each other from
+        # hello messages every 2 s: on a loaded machine that took over 30 s once)
+        try:
+            wait_for(lambda: all(self._sees_all(s) for s in self.sentinels), timeout=90)
+        except AssertionError as exc:
+            views = self._views()
+            raise AssertionError(f"the Sentinels do not see each other and the replicas: {views}") from exc
         return self
+
+    def _views(self) -> list[str]:
+        """What each Sentinel knows of the set: for the message of a start that failed."""
+        views = []
+        for sentinel in self.sentinels:
+            client = sentinel.client()
+            try:
+                info = client.execute_command("SENTINEL", "MASTER", SERVICE)
+                fields = dict(zip(info[::2], info[1::2], strict=False)) if isinstance(info, list) else info
+                keys = (b"port", b"flags", b"num-other-sentinels", b"num-slaves")
+                views.append(f"{sentinel.port}: " + " ".join(f"{k.decode()}={fields.get(k)!r}" for k in keys))
+            except redis.RedisError as exc:
+                views.append(f"{sentinel.port}: {exc}")
+            finally:
+                client.close()
+        return views
 
     def _sees_all(self, sentinel: Node) -> bool:
         client = sentinel.client()
@@ -186,7 +232,7 @@ class SentinelSet:
             info = client.execute_command("SENTINEL", "MASTER", SERVICE)
             fields = dict(zip(info[::2], info[1::2], strict=False)) if isinstance(info, list) else info
             return (
-                int(fields[b"num-other-sentinels"]) == 2 and int(fields[b"num-slaves"]) >= len(self.data) - 1
+                int(fields[b"num-other-sentinels"]) >= 2 and int(fields[b"num-slaves"]) >= len(self.data) - 1
             )
         except redis.RedisError:
             return False
@@ -273,22 +319,26 @@ class SentinelSet:
 
 
 class Cluster:
-    """A Redis Cluster of ``masters`` masters (no replicas) on free ports."""
+    """A Redis Cluster of ``masters`` masters, each with ``replicas`` replicas, on free ports.
 
-    def __init__(self, masters: int = 3) -> None:
+    With replicas, :meth:`fail_over_by_kill` kill -9s the master of a key's slot and waits
+    for the cluster to promote its replica (cluster-node-timeout 2 s)."""
+
+    def __init__(self, masters: int = 3, replicas: int = 0) -> None:
         self.binary = find_redis_server()
         self._dir = tempfile.mkdtemp(prefix="rollstream-cluster-")
+        self.replicas = replicas
         args = [
-            "--cluster-enabled",
-            "yes",
-            "--cluster-node-timeout",
-            "2000",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
+            "--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
+            # a replica is promoted however long ago it last heard from its master (a few
+            # nodes on a loaded machine: the default factor can leave a slot without one)
+            "--cluster-replica-validity-factor", "0",
+            "--save", "", "--appendonly", "no",
+            "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0",
+        ]  # fmt: skip
+        self.nodes = [
+            Node(self.binary, Path(self._dir) / f"node{i}", args) for i in range(masters * (1 + replicas))
         ]
-        self.nodes = [Node(self.binary, Path(self._dir) / f"node{i}", args) for i in range(masters)]
 
     @property
     def url(self) -> str:
@@ -308,18 +358,26 @@ class Cluster:
             node.start()
         cli = shutil.which("redis-cli", path=str(Path(self.binary).parent)) or shutil.which("redis-cli")
         assert cli, "redis-cli is needed to create a cluster"
+        # redis-cli makes the first len(nodes) / (1 + replicas) nodes the masters
         subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-yes"],
+            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
-        wait_for(self._ok, timeout=30)
+        # every node knows every master's replicas (gossip) before anything is failed over
+        wait_for(lambda: self._ok() and self._replicas_online() and self._slots_replicated(), timeout=60)
         return self
 
-    def _ok(self) -> bool:
-        for node in self.nodes:
+    def live(self) -> list[Node]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    @staticmethod
+    def _all(nodes: list[Node], check: Callable[[redis.Redis], bool]) -> bool:
+        """Whether ``check`` holds on every node (False for one that does not answer)."""
+        for node in nodes:
             client = node.client()
             try:
-                if b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                if not check(client):
                     return False
             except redis.RedisError:
                 return False
@@ -327,17 +385,95 @@ class Cluster:
                 client.close()
         return True
 
-    def node_of(self, key: str) -> Node:
-        """The master that serves ``key``'s slot."""
-        client = self.nodes[0].client()
+    def _ok(self) -> bool:
+        """Every live node says cluster_state:ok."""
+        return self._all(self.live(), lambda c: b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO"))
+
+    def _replicas_online(self) -> bool:
+        """Every master has its replicas connected and streaming."""
+
+        def online(client: redis.Redis) -> bool:
+            info = client.info("replication")
+            count = int(info.get("connected_slaves", 0))
+            return count >= self.replicas and all(
+                info[f"slave{i}"]["state"] == "online" for i in range(count)
+            )
+
+        return self._all([n for n in self.live() if self.role(n) == "master"], online)
+
+    def _slots_replicated(self) -> bool:
+        """Every live node's CLUSTER SLOTS names ``replicas`` replicas for every range."""
+        return self._all(
+            self.live(),
+            lambda c: all(len(entry) - 3 >= self.replicas for entry in c.execute_command("CLUSTER", "SLOTS")),
+        )
+
+    def role(self, node: Node) -> str | None:
+        """INFO's role of ``node``: master or slave (None when it does not answer)."""
+        client = node.client()
+        try:
+            return str(client.info("replication")["role"])
+        except redis.RedisError:
+            return None
+        finally:
+            client.close()
+
+    def in_sync(self, master: Node) -> bool:
+        """Whether ``master``'s replicas are connected and hold everything it wrote."""
+        client = master.client()
+        try:
+            info = client.info("replication")
+            count = int(info.get("connected_slaves", 0))
+            return count >= self.replicas and all(
+                info[f"slave{i}"]["state"] == "online"
+                and info[f"slave{i}"]["offset"] == info["master_repl_offset"]
+                for i in range(count)
+            )
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def _port_node(self, port: int) -> Node:
+        return next(n for n in self.nodes if n.port == port)
+
+    def slot_nodes(self, key: str, asked: Node | None = None) -> tuple[Node, list[Node]]:
+        """The master of ``key``'s slot and its replicas, as ``asked`` (a live node by
+        default) sees them in CLUSTER SLOTS."""
+        client = (asked or self.live()[0]).client()
         try:
             slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
-            for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+            for start, end, master, *replicas in client.execute_command("CLUSTER", "SLOTS"):
                 if int(start) <= slot <= int(end):
-                    return next(n for n in self.nodes if n.port == int(master[1]))
+                    return self._port_node(int(master[1])), [self._port_node(int(r[1])) for r in replicas]
         finally:
             client.close()
         raise AssertionError(f"no master serves {key}")
+
+    def node_of(self, key: str) -> Node:
+        """The master that serves ``key``'s slot."""
+        return self.slot_nodes(key)[0]
+
+    def fail_over_by_kill(self, key: str, timeout: float = 60.0) -> tuple[Node, Node]:
+        """kill -9 the master of ``key``'s slot; return (the dead one, the promoted replica)
+        once every live node names the replica the slot's master, it answers as a master
+        and the cluster is ok."""
+        old, replicas = self.slot_nodes(key)
+        assert replicas, f"the master of {key}'s slot has no replica to promote"
+        old.kill()
+
+        def promoted() -> Node | None:
+            try:
+                named = {self.slot_nodes(key, asked)[0].port for asked in self.live()}
+            except (redis.RedisError, StopIteration):
+                return None
+            if len(named) != 1 or (port := named.pop()) == old.port:
+                return None
+            new = self._port_node(port)
+            return new if self.role(new) == "master" and self._ok() else None
+
+        new = wait_for(promoted, timeout=timeout, interval=0.1)
+        return old, new
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -31,8 +31,8 @@ from rollstream.producer.engines.base import (
     Generation,
     SamplingParams,
 )
+from rollstream.shared.engine_settings import BUILTIN_ENGINES, EngineSettings
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import BUILTIN_ENGINES, EngineSettings
 
 __all__ = [
     "BUILTIN_ENGINES",

@@ -20,8 +20,8 @@ trainer recomputes. A stop string ends a sample at the token that completes it:
 the response ids and text both keep the stop string (the text is cut right after
 it), as EOS and stop_token_ids are kept, so text and ids agree.
 
-New weights are read (and checked against the model) outside the decode thread,
-while decoding goes on; the thread copies them in between two steps.
+New weights are read (and checked against the model: hf_weights.py) outside the decode
+thread, while decoding goes on; the thread copies them in between two steps.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollstream.producer.engines import hf_decode
+from rollstream.producer.engines import hf_decode, hf_weights
 from rollstream.producer.engines.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -55,9 +55,9 @@ from rollstream.producer.engines.base import (
     SamplingParams,
 )
 from rollstream.producer.engines.hf_decode import Batch, Row
+from rollstream.producer.engines.hf_weights import check_fit as check_fit  # its home was here
+from rollstream.shared.engine_settings import EngineSettings, HFEngineSettings
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE
-from rollstream.shared.settings import EngineSettings, HFEngineSettings
-from rollstream.shared.transports import receive
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _IDLE_EXIT_S = 10.0  # an idle decode thread ends; the next request starts another
@@ -198,7 +198,7 @@ class HFEngine:
         state: dict[str, torch.Tensor] = {}
         sources = self._sources
         if path:
-            state, sources = await asyncio.to_thread(self._read_weights, path)
+            state, sources = await asyncio.to_thread(hf_weights.read_weights, path, sources, self._params)
 
         def apply() -> None:
             with torch.no_grad():
@@ -381,44 +381,9 @@ class HFEngine:
                 for request in ending.values():
                     self._finish(request)
 
-    @torch.no_grad()
     def _step(self, batch: Batch, counts: list[int] | None = None) -> tuple[list[float], list[float]]:
-        """One forward pass of the batch and the next token of each row, with its logprob:
-        one host sync. ``counts``: a prefill of the batch's prompts, each repeated for its
-        request's n samples (the prompt's prefill runs once)."""
-        mask, positions = batch.mask, None
-        if counts is None and mask is not None:
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-            positions = batch.positions.unsqueeze(1) if batch.positions is not None else None
-        elif mask is not None:
-            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=batch.inputs,
-            past_key_values=batch.cache,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :]
-        batch.cache = out.past_key_values
-        if counts is not None and (len(counts) != logits.shape[0] or any(c != 1 for c in counts)):
-            index = torch.repeat_interleave(
-                torch.arange(len(counts), device=logits.device), torch.tensor(counts, device=logits.device)
-            )
-            logits = logits[index]
-            batch.cache.batch_select_indices(index)
-            if mask is not None:
-                mask = mask[index]
-        if counts is not None:
-            batch.positions = None if mask is None else mask.sum(dim=1)
-        elif batch.positions is not None:
-            batch.positions = batch.positions + 1
-        batch.mask = mask
-        chosen, logprobs = hf_decode.sample(logits, batch.sampling)
-        batch.inputs = chosen.unsqueeze(1)
-        host = torch.stack([chosen.double(), logprobs.double()]).tolist()
-        return host[0], host[1]
+        """One forward pass of the batch (hf_decode.step): tests count them here."""
+        return hf_decode.step(self.model, batch, counts)
 
     def _finish(self, request: _Request) -> None:
         out = []
@@ -450,39 +415,6 @@ class HFEngine:
 
     def _text(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-    # --- weights -------------------------------------------------------------------------
-
-    def _read_weights(self, uri: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """The tensors at ``uri`` (a transport's, or a directory of safetensors), checked
-        against the model before anything is copied."""
-        try:
-            sources = dict(self._sources)
-            state = dict(receive(uri, sources))
-        except EngineError:
-            raise
-        except Exception as exc:  # a transport's failure, named with its URI
-            raise EngineError(f"hf engine: cannot read the weights at {uri!r}: {exc}") from exc
-        check_fit(uri, state, self._params)
-        # into the engine's dtype here, outside the decode thread (a bfloat16 engine of a
-        # float32 trainer): the copy between two steps then moves half the bytes
-        for name, tensor in state.items():
-            if tensor.dtype != self._params[name].dtype:
-                state[name] = tensor.to(self._params[name].dtype)
-        return state, sources
-
-
-def check_fit(uri: str, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
-    """save_pretrained leaves tied weights (lm_head = embeddings) out of the files, so a
-    full set may lack them; a set of only the changed tensors may lack any. What it has
-    must be the model's names and shapes."""
-    unexpected = [k for k in state if k not in params]
-    shapes = [k for k in state if k in params and state[k].shape != params[k].shape]
-    if unexpected or shapes:
-        raise EngineError(
-            f"hf engine: weights at {uri!r} do not fit the model: "
-            f"unexpected {unexpected[:3]}, other shapes {shapes[:3]}"
-        )
 
 
 _ENGINES: weakref.WeakSet[HFEngine] = weakref.WeakSet()

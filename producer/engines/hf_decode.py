@@ -120,6 +120,46 @@ def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torc
     return chosen, logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
 
+@torch.no_grad()
+def step(model: Any, batch: Batch, counts: list[int] | None = None) -> tuple[list[float], list[float]]:
+    """One forward pass of the batch and the next token of each row, with its logprob:
+    one host sync. ``counts``: a prefill of the batch's prompts, each repeated for its
+    request's n samples (the prompt's prefill runs once)."""
+    mask, positions = batch.mask, None
+    if counts is None and mask is not None:
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        positions = batch.positions.unsqueeze(1) if batch.positions is not None else None
+    elif mask is not None:
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    out = model(
+        input_ids=batch.inputs,
+        past_key_values=batch.cache,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = out.logits[:, -1, :]
+    batch.cache = out.past_key_values
+    if counts is not None and (len(counts) != logits.shape[0] or any(c != 1 for c in counts)):
+        index = torch.repeat_interleave(
+            torch.arange(len(counts), device=logits.device), torch.tensor(counts, device=logits.device)
+        )
+        logits = logits[index]
+        batch.cache.batch_select_indices(index)
+        if mask is not None:
+            mask = mask[index]
+    if counts is not None:
+        batch.positions = None if mask is None else mask.sum(dim=1)
+    elif batch.positions is not None:
+        batch.positions = batch.positions + 1
+    batch.mask = mask
+    chosen, logprobs = sample(logits, batch.sampling)
+    batch.inputs = chosen.unsqueeze(1)
+    host = torch.stack([chosen.double(), logprobs.double()]).tolist()
+    return host[0], host[1]
+
+
 def top_p(probs: torch.Tensor, keep: torch.Tensor | float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (the first
     token always stays); ``keep`` per row ([B, 1]) or one for all."""

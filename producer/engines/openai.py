@@ -7,8 +7,8 @@ Abort, pause, weight loading and version labels go to vLLM's control endpoints
 (``/abort_requests``, ``/pause``, ``/collective_rpc``, ``/update_weight_version``,
 ``/resume``; ``VLLM_SERVER_DEV_MODE=1``) where the server has them; where it has not,
 the operation that needs one fails with an EngineError that names what is missing and
-what to do instead. What every HTTP engine shares (servers, take-outs, aborts, the
-requests themselves) is in http.py.
+what to do instead. What every HTTP engine shares is in http.py (servers, take-outs,
+aborts) and http_client.py (the requests themselves).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from rollstream.producer.engines.base import (
     Generation,
     SamplingParams,
 )
-from rollstream.producer.engines.http import (
+from rollstream.producer.engines.http import HTTPEngine
+from rollstream.producer.engines.http_client import (
     FROM_DISK,
-    HTTPEngine,
     _aborted,
     _Call,
     _check_success,
@@ -35,7 +35,7 @@ from rollstream.producer.engines.http import (
     _HTTPStatus,
     _Server,
 )
-from rollstream.shared.settings import EngineSettings
+from rollstream.shared.engine_settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ and it gives each sample a request id of ours to abort it by), reads the logprob
 ``meta_info``, and controls the server with ``/abort_request``, ``/pause_generation``
 (mode "retract": running requests keep their tokens and go back to the queue, their KV
 cache is recomputed with the new weights), ``/update_weights_from_disk`` and
-``/continue_generation``. What every HTTP engine shares (servers, take-outs, aborts,
-the requests themselves) is in http.py.
+``/continue_generation``. What every HTTP engine shares is in http.py (servers,
+take-outs, aborts) and http_client.py (the requests themselves).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from rollstream.producer.engines.base import (
     Generation,
     SamplingParams,
 )
-from rollstream.producer.engines.http import (
+from rollstream.producer.engines.http import HTTPEngine
+from rollstream.producer.engines.http_client import (
     FROM_DISK,
-    HTTPEngine,
     _Call,
     _check_success,
     _describe,
     _generation,
     _Server,
 )
-from rollstream.shared.settings import EngineSettings
+from rollstream.shared.engine_settings import EngineSettings
 
 
 class SGLangEngine(HTTPEngine):

@@ -40,7 +40,7 @@ from rollstream.producer.engines.base import (
     Generation,
     SamplingParams,
 )
-from rollstream.shared.settings import EngineSettings, SimEngineSettings
+from rollstream.shared.engine_settings import EngineSettings, SimEngineSettings
 
 _EPS = 1e-9
 _SUM = re.compile(r"What is (-?\d+) \+ (-?\d+)\?")

@@ -8,7 +8,9 @@ Token ids in, token ids out: prompts go in as ``TokensPrompt`` and the n samples
 group as one request (``SamplingParams.n``, so they share the prompt's prefix cache);
 each sampled token comes back with its logprob (``logprobs=0``: the raw,
 untempered log-probability, as the trainer recomputes it) and the model step of the
-weights that sampled it.
+weights that sampled it. What vLLM is handed (engine arguments, environment, sampling
+parameters) and what is read back (logprobs, the scheduler's counts) is
+producer/engines/vllm_args.py.
 
 Weight syncs (producer/host.py): ``pause`` keeps running requests and their KV cache
 (``pause_generation(mode="keep")``); ``update_weights`` reloads the trainer's
@@ -53,44 +55,23 @@ from rollstream.producer.engines.base import (
     Generation,
     SamplingParams,
 )
-from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE
-from rollstream.shared.settings import EngineSettings, VLLMEngineSettings
+
+# what vLLM is handed and what is read back from it: vllm_args.py; the names that lived
+# here still import from here
+from rollstream.producer.engines.vllm_args import RELOAD_METHOD as RELOAD_METHOD
+from rollstream.producer.engines.vllm_args import WORKER_EXTENSION as WORKER_EXTENSION
+from rollstream.producer.engines.vllm_args import engine_args as engine_args
+from rollstream.producer.engines.vllm_args import environment as _environment
+from rollstream.producer.engines.vllm_args import sampled_logprobs as _sampled_logprobs
+from rollstream.producer.engines.vllm_args import sampling_params
+from rollstream.producer.engines.vllm_args import stat_logger as _stat_logger
+from rollstream.shared.engine_settings import EngineSettings, VLLMEngineSettings
+from rollstream.shared.records import ID_DTYPE
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "rollstream.producer.engines.vllm_worker.WeightReloader"
-RELOAD_METHOD = "rollstream_reload_weights"
 DEATH_GRACE_S = 1.0  # time for the failed replies to leave before a dead engine ends its actor
 MB = 1 << 20
-
-
-def engine_args(settings: VLLMEngineSettings) -> dict[str, Any]:
-    """vLLM's engine arguments from the settings; ``extra_args`` last, so they win."""
-    args: dict[str, Any] = {
-        "model": settings.model,
-        "dtype": settings.dtype,
-        "enforce_eager": settings.enforce_eager,
-        "seed": settings.seed,
-        "gpu_memory_utilization": settings.gpu_memory_utilization,
-        "worker_extension_cls": WORKER_EXTENSION,
-    }
-    if settings.max_model_len:
-        args["max_model_len"] = settings.max_model_len
-    if settings.kv_cache_memory_bytes:
-        args["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
-    args.update(settings.extra_args)
-    return args
-
-
-def _environment(args: dict[str, Any]) -> None:
-    """Defaults for vLLM's environment, each left alone when the user set it. vLLM
-    reads them when the engine starts, and its processes inherit them."""
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage reports from every actor
-    if args.get("distributed_executor_backend") != "ray":
-        # An engine on one machine talks to its own processes: on loopback. Otherwise
-        # vLLM binds its internal queues to the machine's outward address (found by
-        # routing towards a public IP), which a machine without a route lacks.
-        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 
 class _BusyClock:
@@ -300,7 +281,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         try:
-            sampling = self._sampling(params, n, min(params.max_tokens, room))
+            sampling = sampling_params(params, n, min(params.max_tokens, room))
         except ValueError as exc:  # vLLM's own checks (max_tokens >= 1, temperature, top_p, ...)
             raise EngineError(f"vllm engine: sampling parameters refused: {exc}") from exc
         if not self._requests:
@@ -323,24 +304,6 @@ class VLLMEngine:
             raise EngineError(f"vllm engine: request {request_id!r} ended without an output")
         outputs = sorted(final.outputs, key=lambda o: o.index)
         return [self._generation(o, started_at) for o in outputs]
-
-    def _sampling(self, params: SamplingParams, n: int, max_tokens: int) -> Any:
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.sampling_params import SamplingParams as VLLMSamplingParams
-
-        return VLLMSamplingParams(
-            n=n,
-            max_tokens=max(max_tokens, 0),
-            temperature=params.temperature,
-            top_p=params.top_p,
-            stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
-            ignore_eos=params.ignore_eos,
-            seed=params.seed,
-            logprobs=0,  # the sampled token's own logprob, raw (before temperature)
-            include_stop_str_in_output=True,  # like EOS: ids and text keep what stopped them
-            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, aborts included
-        )
 
     def _generation(self, output: Any, started_at: int) -> Generation:
         ids = np.asarray(output.token_ids, dtype=ID_DTYPE)
@@ -454,46 +417,6 @@ def _in_ray_actor() -> bool:
         return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
     except Exception:
         return False
-
-
-def _sampled_logprobs(logprobs: Any, token_ids: Any) -> np.ndarray:
-    """The logprob of each sampled token: vLLM gives one entry per position (logprobs=0),
-    as dicts token -> Logprob, or flattened (FlatLogprobs) in newer versions."""
-    if logprobs is None:
-        return np.zeros(len(token_ids), dtype=LOGPROB_DTYPE)
-    flat = getattr(logprobs, "logprobs", None)
-    starts = getattr(logprobs, "start_indices", None)
-    if flat is not None and starts is not None:
-        return np.asarray([flat[s] for s in starts], dtype=LOGPROB_DTYPE)
-    return np.asarray(
-        [position[t].logprob for position, t in zip(logprobs, token_ids, strict=True)], LOGPROB_DTYPE
-    )
-
-
-def _stat_logger(sink: dict[str, int]) -> Any:
-    """A vLLM stat logger (per-engine factory) that keeps the scheduler's latest counts
-    of running and waiting sequences in ``sink``: cheap, they come with every step."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class Counts(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
-
-        def record(
-            self,
-            scheduler_stats: Any,
-            iteration_stats: Any,
-            mm_cache_stats: Any = None,
-            engine_idx: int = 0,
-        ) -> None:
-            if scheduler_stats is not None:
-                sink["running"] = int(getattr(scheduler_stats, "num_running_reqs", 0))
-                sink["waiting"] = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return Counts
 
 
 def from_settings(settings: EngineSettings) -> VLLMEngine:

@@ -73,7 +73,9 @@ def test_a_reader_of_the_page_decodes_agent_trajectories(redis_server: EmbeddedR
             "heartbeat_s": 0.2,
         },
     )
-    producer = Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings), "p1")
+    producer = Producer(
+        settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), "p1"
+    )
     producer.buffer.feed(prompts("math", 3))  # "What is i + 1?", answer i + 1
     asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
 

@@ -869,7 +869,7 @@ def test_a_trainer_written_from_the_stream_format_trains_with_real_producers(
 
 
 def test_the_page_trainer_restarted_before_its_commit_keeps_its_groups(
-    real_buffer: Any, run_name: str
+    redis_server: Any, make_settings: Any, real_client: redis.Redis, run_name: str
 ) -> None:
     """§11.2: a restart's re-read of its pending groups is not a delivery. The page's
     trainer, killed before its commit more often than max_attempts, reads the same groups
@@ -877,13 +877,17 @@ def test_the_page_trainer_restarted_before_its_commit_keeps_its_groups(
     counted one delivery per restart, and the fourth re-read dead-lettered the batch)."""
     from rollstream.shared import codec
     from rollstream.shared.records import Prompt
-    from rollstream.shared.runconfig import check_run_settings
+    from rollstream.shared.runconfig import check_run_settings, open_buffer
     from tests.helpers import group_for
 
-    buffer = real_buffer(
-        "producer", tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 4}, buffer={"max_attempts": 3}
+    settings = make_settings(
+        redis_server.url,
+        tasks=[{"name": "math", "n": 2}],
+        rollout={"batch_size": 4},
+        buffer={"max_attempts": 3},
     )
-    check_run_settings(buffer.client, buffer.keys, buffer.settings, "test")  # §10: the run's settings
+    buffer = open_buffer(real_client, settings, "producer")
+    check_run_settings(buffer.client, buffer.keys, settings, "test")  # §10: the run's settings
     buffer.ensure("math")
     for i in range(4):
         group = group_for(Prompt(uid=f"q{i}", task="math", prompt=f"What is {i} + 1?"), n=2, step=0)
@@ -904,7 +908,9 @@ def test_the_page_trainer_restarted_before_its_commit_keeps_its_groups(
     trainer.close()
 
 
-def test_the_page_trainer_takes_an_empty_group_at_its_model_step(real_buffer: Any, run_name: str) -> None:
+def test_the_page_trainer_takes_an_empty_group_at_its_model_step(
+    redis_server: Any, make_settings: Any, real_client: redis.Redis, run_name: str
+) -> None:
     """§5.2 / §11.3: a group with no response token (all its responses empty) carries the
     model step its generation started at, and that is its staleness; the page's trainer
     trains it as fresh at the next step (it took it for version -1: expired at every step
@@ -913,12 +919,13 @@ def test_the_page_trainer_takes_an_empty_group_at_its_model_step(real_buffer: An
     from rollstream.shared.records import Group as BundledGroup
     from rollstream.shared.records import Prompt
     from rollstream.shared.records import Sample as BundledSample
-    from rollstream.shared.runconfig import check_run_settings
+    from rollstream.shared.runconfig import check_run_settings, open_buffer
 
-    buffer = real_buffer(
-        "producer", tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 1, "max_staleness": 0}
+    settings = make_settings(
+        redis_server.url, tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 1, "max_staleness": 0}
     )
-    check_run_settings(buffer.client, buffer.keys, buffer.settings, "test")
+    buffer = open_buffer(real_client, settings, "producer")
+    check_run_settings(buffer.client, buffer.keys, settings, "test")
     buffer.ensure("math")
     empty = [BundledSample([1, 2], [], [], [], finish_reason="stop", reward={"score": 0.0}) for _ in range(2)]
     prompt = Prompt(uid="q1", task="math", prompt="Say nothing.")
@@ -934,7 +941,7 @@ def test_the_page_trainer_takes_an_empty_group_at_its_model_step(real_buffer: An
 
 
 def test_the_page_trainer_keeps_what_it_holds_fresh_and_takes_back_its_strays(
-    real_buffer: Any, run_name: str
+    redis_server: Any, make_settings: Any, real_client: redis.Redis, run_name: str
 ) -> None:
     """§11.2: a trainer resets the idle time of the groups it holds, so that another
     trainer-group consumer does not take them over past claim_idle_ms; and it takes back
@@ -942,12 +949,13 @@ def test_the_page_trainer_keeps_what_it_holds_fresh_and_takes_back_its_strays(
     which nobody else would while it lives."""
     from rollstream.shared import codec
     from rollstream.shared.records import Prompt
-    from rollstream.shared.runconfig import check_run_settings
+    from rollstream.shared.runconfig import check_run_settings, open_buffer
     from tests.helpers import group_for
 
     idle_ms = 600
-    buffer = real_buffer("producer", tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 2})
-    check_run_settings(buffer.client, buffer.keys, buffer.settings, "test")
+    settings = make_settings(redis_server.url, tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 2})
+    buffer = open_buffer(real_client, settings, "producer")
+    check_run_settings(buffer.client, buffer.keys, settings, "test")
     buffer.ensure("math")
     client, stream = buffer.client, buffer.keys.groups("math")
     for i in range(4):

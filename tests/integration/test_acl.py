@@ -113,6 +113,8 @@ def test_a_least_privilege_user_runs_feed_produce_train_and_status(
         f"http://user:{PASSWORD}@127.0.0.1:6379/0",  # a wrong scheme
         f"redis://user:{PASSWORD}@127.0.0.1:6379/abc",  # a db that is no number
     ],
+    # stable ids: the free port differs in each pytest-xdist worker's collection
+    ids=["nothing-listens", "port-out-of-range", "wrong-scheme", "db-not-a-number"],
 )
 def test_no_error_path_prints_the_password(url: str, run_name: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}

@@ -49,7 +49,7 @@ def producer_for(
         producer={"is_valid": "keep_all", "heartbeat_s": 0.2, "max_tokens": 256, **producer},
         **more,
     )
-    return Producer(settings, redis.Redis.from_url(url), LocalPool.start(settings), "p1")
+    return Producer(settings, redis.Redis.from_url(url), LocalPool.start(settings.engines), "p1")
 
 
 def read_groups(producer: Producer) -> list[Group]:

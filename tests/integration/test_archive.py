@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,12 +19,12 @@ import pytest
 import redis
 
 from rollstream.cli.main import main
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import STOP, RunControl
 from rollstream.shared.keys import ARCHIVE, TRAINER, Keys
 from rollstream.shared.records import MODEL, TOOL, Group, Prompt, Sample, Turn
+from rollstream.shared.runconfig import open_buffer
 from tests.conftest import BufferFactory, SettingsFactory
 from tests.helpers import group_for, prompts, require, rollstream, wait_for
 
@@ -37,6 +38,13 @@ pytestmark = pytest.mark.integration
 
 def _archive_settings(tmp_path: Path, **more: Any) -> dict[str, Any]:
     return {"archive": {"keep": 1000, "dir": str(tmp_path / "archive"), "flush_s": 0.05, **more}}
+
+
+@pytest.fixture
+def tree(redis_server: EmbeddedRedis, make_settings: SettingsFactory) -> SettingsFactory:
+    """tree(**overrides): the settings tree real_buffer opens a buffer of the same overrides
+    from, which the archiver takes (a buffer holds only the sections it uses)."""
+    return lambda **overrides: make_settings(redis_server.url, **overrides)
 
 
 def _produce_and_train(
@@ -104,20 +112,20 @@ def test_log_is_capped_and_the_trainer_warns(
 
 
 def test_archive_writes_every_trained_group_once_with_its_lineage(
-    real_buffer: BufferFactory, tmp_path: Path
+    real_buffer: BufferFactory, tree: SettingsFactory, tmp_path: Path
 ) -> None:
     settings = _archive_settings(tmp_path)
     producer = real_buffer("p1", **settings)
     trainer = real_buffer("trainer", **settings)
     ids = _produce_and_train(producer, trainer, "math", 3, step=2)
     ids += _produce_and_train(producer, trainer, "code", 2, step=3, start=10)
-    archiver = Archiver(trainer.client, trainer.settings)
+    archiver = Archiver(trainer.client, tree(**settings))
     archiver.ensure()
     archiver.step(0)
     archiver.flush()
     root = tmp_path / "archive"
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet"))
-    run = trainer.settings.run
+    run = trainer.keys.run
     assert [f.rsplit("/", 1)[0] for f in files] == [
         f"trained/{run}/code/step-00000003",
         f"trained/{run}/math/step-00000002",
@@ -170,8 +178,8 @@ def test_archiver_killed_at_any_moment_archives_each_group_exactly_once(
     archive = {"keep": 100_000, "dir": str(root), "flush_s": 0.02, "read_count": 8}
     settings = make_settings(redis_server.url, archive=archive)
     client = connect(settings.redis)
-    producer = ReplayBuffer(client, settings, "p1")
-    trainer = ReplayBuffer(connect(settings.redis), settings, "trainer")
+    producer = open_buffer(client, settings, "p1")
+    trainer = open_buffer(connect(settings.redis), settings, "trainer")
     env = {
         **os.environ,
         "ROLLSTREAM_RUN": settings.run,
@@ -268,13 +276,13 @@ def test_archiver_killed_at_any_moment_archives_each_group_exactly_once(
 
 
 def test_entries_read_again_after_a_crash_between_rename_and_ack_are_not_written_twice(
-    real_buffer: BufferFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    real_buffer: BufferFactory, tree: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = _archive_settings(tmp_path, read_count=6)
     producer = real_buffer("p1", **settings)
     trainer = real_buffer("trainer", **settings)
     ids = _produce_and_train(producer, trainer, "math", 10, step=1)
-    first = Archiver(trainer.client, trainer.settings)
+    first = Archiver(trainer.client, tree(**settings))
     first.ensure()
 
     class Killed(Exception):
@@ -290,12 +298,7 @@ def test_entries_read_again_after_a_crash_between_rename_and_ack_are_not_written
     root = tmp_path / "archive"
     assert len(list(root.rglob("*.parquet"))) == 1
     # the restarted archiver reads in batches of another size: its files are other ones
-    restarted = Archiver(
-        trainer.client,
-        trainer.settings.model_copy(
-            update={"archive": trainer.settings.archive.model_copy(update={"read_count": 4})}
-        ),
-    )
+    restarted = Archiver(trainer.client, tree(**_archive_settings(tmp_path, read_count=4)))
     while restarted.step(0):
         pass
     restarted.flush()
@@ -307,7 +310,7 @@ def test_entries_read_again_after_a_crash_between_rename_and_ack_are_not_written
     assert trainer.client.xlen(trainer.keys.groups("math")) == 0
 
 
-def _archive_a_run(real_buffer: BufferFactory, tmp_path: Path) -> tuple[Path, Any]:
+def _archive_a_run(real_buffer: BufferFactory, tree: SettingsFactory, tmp_path: Path) -> tuple[Path, Any]:
     """Two steps of text prompts and one of chat prompts, archived; the archive's root."""
     settings = _archive_settings(tmp_path)
     producer = real_buffer("p1", **settings)
@@ -327,7 +330,7 @@ def _archive_a_run(real_buffer: BufferFactory, tmp_path: Path) -> tuple[Path, An
                 sample.reward = {"score": float(i), "judge": "test"}
             producer.complete(claim, group)
         assert trainer.commit(trainer.read_batch(task, len(batch)), step) == []
-    archiver = Archiver(trainer.client, trainer.settings)
+    archiver = Archiver(trainer.client, tree(**settings))
     archiver.ensure()
     while archiver.step(0):
         pass
@@ -336,12 +339,12 @@ def _archive_a_run(real_buffer: BufferFactory, tmp_path: Path) -> tuple[Path, An
 
 
 def test_the_archive_reads_as_it_is_with_pandas_pyarrow_duckdb_and_datasets(
-    real_buffer: BufferFactory, tmp_path: Path
+    real_buffer: BufferFactory, tree: SettingsFactory, tmp_path: Path
 ) -> None:
     pd = require("pandas", "test")
     duckdb = require("duckdb", "test")
     datasets = require("datasets", "test")
-    root, _ = _archive_a_run(real_buffer, tmp_path)
+    root, _ = _archive_a_run(real_buffer, tree, tmp_path)
     trained = root / "trained"
     frame = pd.read_parquet(trained)
     assert len(frame) == 11 * 4 and frame["reward"].max() == 3.0
@@ -361,10 +364,10 @@ def test_the_archive_reads_as_it_is_with_pandas_pyarrow_duckdb_and_datasets(
 
 
 def test_export_writes_sft_and_preference_jsonl_that_datasets_loads(
-    real_buffer: BufferFactory, tmp_path: Path
+    real_buffer: BufferFactory, tree: SettingsFactory, tmp_path: Path
 ) -> None:
     datasets = require("datasets", "test")
-    root, _ = _archive_a_run(real_buffer, tmp_path)
+    root, _ = _archive_a_run(real_buffer, tree, tmp_path)
     sft, pref = tmp_path / "sft.jsonl", tmp_path / "pref.jsonl"
     assert main(["export", "--format", "sft", "--archive", str(root), "--task", "math", "--out", str(sft),
                  "--best-of", "2", "--min-reward", "2"]) == 0  # fmt: skip
@@ -408,7 +411,7 @@ def test_groups_kept_for_the_archiver_are_neither_waiting_nor_lag(
 
 
 def test_expired_groups_are_archived_whole_with_their_reason(
-    real_buffer: BufferFactory, tmp_path: Path
+    real_buffer: BufferFactory, tree: SettingsFactory, tmp_path: Path
 ) -> None:
     settings = _archive_settings(tmp_path)
     producer = real_buffer("p1", **settings)
@@ -420,7 +423,7 @@ def test_expired_groups_are_archived_whole_with_their_reason(
     assert trainer.expire(batch.items[0], train_step=9) is not None  # re-rolled from the pool
     assert trainer.discard(batch.items[1], train_step=9)  # tail_batch_trigger_size -1: dropped
     assert trainer.client.xlen(trainer.keys.expired("math")) == 1
-    archiver = Archiver(trainer.client, trainer.settings)
+    archiver = Archiver(trainer.client, tree(**settings))
     archiver.ensure()
     archiver.step(0)
     archiver.flush()
@@ -531,7 +534,7 @@ def test_a_run_through_producer_and_trainer_is_archived_once_while_the_archiver_
 
 
 def test_an_agent_trajectory_keeps_its_loss_mask_and_turns(
-    real_buffer: BufferFactory, tmp_path: Path
+    real_buffer: BufferFactory, tree: SettingsFactory, tmp_path: Path
 ) -> None:
     settings = _archive_settings(tmp_path)
     producer = real_buffer("p1", **settings)
@@ -547,7 +550,7 @@ def test_an_agent_trajectory_keeps_its_loss_mask_and_turns(
     ]  # fmt: skip
     producer.complete(claim, Group.for_prompt(claim.prompt, samples=samples))
     assert trainer.commit(trainer.read_batch("math", 1), 1) == []
-    archiver = Archiver(trainer.client, trainer.settings)
+    archiver = Archiver(trainer.client, tree(**settings))
     archiver.ensure()
     archiver.step(0)
     archiver.flush()
@@ -565,6 +568,7 @@ def test_an_agent_trajectory_keeps_its_loss_mask_and_turns(
 
 def test_an_archiver_beside_a_trainer_without_an_archive_says_so(
     real_buffer: BufferFactory,
+    tree: SettingsFactory,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
@@ -574,7 +578,7 @@ def test_an_archiver_beside_a_trainer_without_an_archive_says_so(
     monkeypatch.setattr(module, "LAG_CHECK_S", 0.0)
     producer = real_buffer("p1")
     trainer = real_buffer("trainer")  # archive.keep 0: no trained log
-    archiver = Archiver(trainer.client, real_buffer("a", **_archive_settings(tmp_path)).settings)
+    archiver = Archiver(trainer.client, tree(**_archive_settings(tmp_path)))
     archiver.ensure()
     archiver.step(0)  # the first look: nothing to compare yet
     _produce_and_train(producer, trainer, "math", 2, step=1)
@@ -583,21 +587,24 @@ def test_an_archiver_beside_a_trainer_without_an_archive_says_so(
     assert "ROLLSTREAM_ARCHIVE__KEEP for the trainer too" in caplog.text
 
 
-def test_an_archive_dir_that_cannot_be_written_is_named(real_buffer: BufferFactory, tmp_path: Path) -> None:
+def test_an_archive_dir_that_cannot_be_written_is_named(
+    redis_server: EmbeddedRedis, make_settings: SettingsFactory, real_client: redis.Redis, tmp_path: Path
+) -> None:
     from rollstream.shared.errors import SettingsError
 
     (tmp_path / "file").write_text("not a folder")
-    buffer = real_buffer("a", archive={"keep": 10, "dir": str(tmp_path / "file" / "archive")})
+    archive = {"keep": 10, "dir": str(tmp_path / "file" / "archive")}
+    settings = make_settings(redis_server.url, archive=archive)
     with pytest.raises(SettingsError, match=r"archive\.dir .*file/archive.*cannot be written"):
-        archive_run(buffer.client, buffer.settings, threading.Event())
+        archive_run(real_client, settings, threading.Event())
 
 
 def test_the_archive_works_on_redis_6_2(
     redis62_server: EmbeddedRedis, make_settings: SettingsFactory, tmp_path: Path
 ) -> None:
     settings = make_settings(redis62_server.url, **_archive_settings(tmp_path, keep=3))
-    producer = ReplayBuffer(connect(settings.redis), settings, "p1")
-    trainer = ReplayBuffer(connect(settings.redis), settings, "trainer")
+    producer = open_buffer(connect(settings.redis), settings, "p1")
+    trainer = open_buffer(connect(settings.redis), settings, "trainer")
     ids = _produce_and_train(producer, trainer, "math", 2, step=1)
     ids += _produce_and_train(producer, trainer, "math", 2, step=2, start=2)  # the cap deletes one
     assert trainer.client.xlen(trainer.keys.trained("math")) == 3
@@ -613,6 +620,7 @@ def test_the_archive_works_on_redis_6_2(
 
 def test_files_roll_by_size_and_the_archiver_warns_of_its_lag(
     real_buffer: BufferFactory,
+    tree: SettingsFactory,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
@@ -625,7 +633,7 @@ def test_files_roll_by_size_and_the_archiver_warns_of_its_lag(
     producer = real_buffer("p1", **settings)
     trainer = real_buffer("trainer", **settings)
     ids = _produce_and_train(producer, trainer, "math", 6, step=1)
-    archiver = Archiver(trainer.client, trainer.settings)
+    archiver = Archiver(trainer.client, tree(**settings))
     archiver.ensure()
     archiver.step(0)  # 3 read (of 6 waiting: 6 >= 0.5 x 10), one file of them
     assert "6 trained groups in" in caplog.text and "of archive.keep 10" in caplog.text
@@ -633,3 +641,39 @@ def test_files_roll_by_size_and_the_archiver_warns_of_its_lag(
     files = sorted((tmp_path / "archive").rglob("*.parquet"))
     assert len(files) == 2 and archiver.sources[0].held == []  # rolled by size, not by time
     assert sorted(set(_read(tmp_path / "archive" / "trained")["group_id"])) == sorted(ids)
+
+
+def test_a_dead_letter_trimmed_by_its_cap_before_it_was_archived_names_that_cap(
+    real_buffer: BufferFactory,
+    tree: SettingsFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the dead-letter stream's cap is buffer.dead_maxlen: the warning named archive.keep
+    settings = {**_archive_settings(tmp_path), "buffer": {"dead_maxlen": 7}}
+    trainer = real_buffer("trainer", **settings)
+    trainer.ensure("math")
+    first = Archiver(trainer.client, tree(**settings))
+    first.ensure()
+    trainer.client.xadd(trainer.keys.dead, {"reason": "by hand", "source_id": "1-0"})
+
+    class Killed(Exception):
+        pass
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        raise Killed
+
+    monkeypatch.setattr(first, "_ack", die)
+    first.step(0)  # read, pending under the archiver's name
+    with pytest.raises(Killed):
+        first.flush()
+    trainer.client.xtrim(trainer.keys.dead, maxlen=0)  # the cap trims it meanwhile
+    restarted = Archiver(trainer.client, tree(**settings))
+    with caplog.at_level(logging.WARNING):
+        while restarted.step(0):
+            pass
+        restarted.flush()
+    assert restarted.missing == 1
+    assert "deleted by the cap buffer.dead_maxlen 7" in caplog.text and "archive.keep" not in caplog.text
+    assert trainer.client.xpending(trainer.keys.dead, "archive")["pending"] == 0

@@ -25,6 +25,7 @@ from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.events import STOP, WEIGHT_SYNC, Event, EventFollower, RunControl
 from rollstream.shared.keys import MODEL_STEP, PRODUCERS, TRAIN_STEP, TRAINER, Keys
 from rollstream.shared.records import Group, Sample, Status
+from rollstream.shared.runconfig import open_buffer, task_quota
 from rollstream.shared.settings import Settings, load_settings
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts, wait_for, wait_idle
@@ -227,7 +228,9 @@ def test_a_burst_producer_finishes_past_bad_prompts_and_bad_aborted_entries(
     # before: each of these failed in the producer on every attempt and stayed pending for
     # ever, so that `produce --burst` never exited
     settings = settings_for(redis_server.url, run_name)
-    producer = Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings), "p1")
+    producer = Producer(
+        settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), "p1"
+    )
     keys = producer.buffer.keys
     bad = [
         client.xadd(keys.prompts("math"), bad_prompt(prompt=7)),  # type: ignore[arg-type]
@@ -263,7 +266,7 @@ def produce(buffer: ReplayBuffer, count: int, start: int = 0) -> None:
 def test_bad_groups_are_dead_lettered_and_the_trainer_batch_fills_with_good_ones(
     settings: Settings, client: redis.Redis
 ) -> None:
-    producer = ReplayBuffer(client, settings, "p1")
+    producer = open_buffer(client, settings, "p1")
     groups = producer.keys.groups("math")
     produce(producer, 1)
     good = group_entry(step=0)
@@ -296,12 +299,12 @@ def test_a_restarted_trainer_dead_letters_a_bad_pending_group_and_keeps_the_good
     # A trainer that read these and crashed on the bad one (as a string score did, at every
     # restart) re-reads them all: before, the good ones went to the dead letters too once
     # "delivered N times"; now the bad one is dead-lettered on this first re-read.
-    producer = ReplayBuffer(client, settings, "p1")
+    producer = open_buffer(client, settings, "p1")
     groups = producer.keys.groups("math")
     produce(producer, 1)
     bad_id = client.xadd(groups, garbled(group_entry(), reward={"score": "high"}))
     produce(producer, 1, start=1)
-    ReplayBuffer(client, settings, "trainer").ensure("math")
+    open_buffer(client, settings, "trainer").ensure("math")
     client.xreadgroup(TRAINER, "trainer", {groups: ">"}, count=10)  # read, then the crash
 
     batch = BatchReader(client, settings).get_batch(1, timeout_s=10)
@@ -364,7 +367,7 @@ def test_a_corrupt_step_in_the_state_is_a_clear_error_for_its_readers(
     if field == MODEL_STEP:  # what a producer's supervisor log shows on every restart: the repair
         assert "repair it with `rollstream steps --model-step N --yes`" in str(info.value)
     with pytest.raises(CorruptValueError, match="not a step number"):
-        ProduceProgress(client, settings).state_dict()
+        ProduceProgress(client, Keys(settings.run), task_quota(settings)).state_dict()
 
 
 def test_a_producer_starting_on_a_corrupt_model_step_names_it(
@@ -372,7 +375,9 @@ def test_a_producer_starting_on_a_corrupt_model_step_names_it(
 ) -> None:
     settings = settings_for(redis_server.url, run_name)
     client.hset(Keys(run_name).state, MODEL_STEP, "99999999999")
-    producer = Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings), "p1")
+    producer = Producer(
+        settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), "p1"
+    )
     with pytest.raises(CorruptValueError, match="field model_step is '99999999999', not a step number"):
         asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
 
@@ -380,10 +385,10 @@ def test_a_producer_starting_on_a_corrupt_model_step_names_it(
 def test_a_corrupt_progress_counter_is_a_clear_error(settings: Settings, client: redis.Redis) -> None:
     keys = Keys(settings.run)
     client.hset(keys.progress, "math:completed", "lots")
-    buffer = ReplayBuffer(client, settings, "p1")
+    buffer = open_buffer(client, settings, "p1")
     expected = f"rs:{{{settings.run}}}:progress field math:completed is 'lots', not a count"
     with pytest.raises(CorruptValueError) as info:
         buffer.admitted("math")
     assert str(info.value) == expected
     with pytest.raises(CorruptValueError, match="math:completed is 'lots'"):
-        ProduceProgress(client, settings).counts("math")
+        ProduceProgress(client, Keys(settings.run), task_quota(settings)).counts("math")

@@ -27,7 +27,7 @@ def test_an_unreadable_producer_heartbeat_is_dropped_not_a_crash(
     real_client: redis.Redis, run_name: str
 ) -> None:
     control = RunControl(real_client, Keys(run_name))
-    control.heartbeat("good", 3, 1)
+    control.publish_status("good", 3, 1)
     real_client.hset(Keys(run_name).state, "producer:bad", b"\xff not json")
     assert [b.producer for b in control.producers(max_age_s=60)] == ["good"]
     assert real_client.hget(Keys(run_name).state, "producer:bad") is None

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+# a benchmark at smoke size: the heavy tier (make test-all and CI), so that make test answers in minutes
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -12,8 +13,11 @@ import orjson
 import pytest
 import redis
 
-from rollstream.shared.embedded import EmbeddedRedis, free_port
+from rollstream.shared.connection import connect
+from rollstream.shared.embedded import EmbeddedRedis, find_redis_server, free_port
 from rollstream.shared.keys import Keys
+from rollstream.shared.settings import RedisSettings
+from tests.ha import Node
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -88,6 +92,34 @@ def test_check_answers_zero_when_redis_is_up(redis_server: EmbeddedRedis, run_na
     result = rollstream("check", url=redis_server.url, run=run_name)
     assert result.returncode == 0
     assert "answers at" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("policy", "said"),
+    [("allkeys-lru", "evicts any key"), ("volatile-ttl", "liveness keys"), ("noeviction", None)],
+)
+def test_an_evicting_redis_is_named_as_a_risk(
+    tmp_path: Path, run_name: str, policy: str, said: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a Redis that evicts under memory pressure drops a run's keys without an error
+    server = Node(find_redis_server(), tmp_path / "r", ["--save", "", "--maxmemory-policy", policy]).start()
+    try:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        result = rollstream("check", url=url, run=run_name)
+        assert result.returncode == 0, result.stderr
+        warned = [line for line in result.stdout.splitlines() if line.startswith("warning: ")]
+        with caplog.at_level(logging.WARNING, logger="rollstream.shared.connection"):
+            connect(RedisSettings(url=url)).close()
+            connect(RedisSettings(url=url)).close()  # said once per process, not per client
+        logged = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    finally:
+        server.stop()
+    if said is None:
+        assert warned == [] and logged == []
+    else:
+        assert len(warned) == 1 and said in warned[0] and f"maxmemory-policy {policy}" in warned[0]
+        assert "noeviction" in warned[0]
+        assert len(logged) == 1 and said in logged[0]
 
 
 def test_check_names_the_url_but_never_the_password(run_name: str) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import prompts
 
@@ -45,7 +45,7 @@ def test_status_takes_the_runs_settings_from_the_env_file(
 ) -> None:
     settings = load_settings(run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 4}])
     client = connect(settings.redis)
-    assert ReplayBuffer(client, settings, "feeder").feed(prompts("math", 3)).added == 3
+    assert open_buffer(client, settings, "feeder").feed(prompts("math", 3)).added == 3
     client.close()
     env_file = tmp_path / ".env"
     env_file.write_text(

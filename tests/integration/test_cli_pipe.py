@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import prompts
 
@@ -25,7 +25,7 @@ def test_show_into_head_closes_quietly(redis_server: EmbeddedRedis, run_name: st
     settings = load_settings(run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 2}])
     client = connect(settings.redis)
     # far more output than a pipe holds (64 KiB), so the writer meets the closed pipe
-    assert ReplayBuffer(client, settings, "feeder").feed(prompts("math", 2000)).added == 2000
+    assert open_buffer(client, settings, "feeder").feed(prompts("math", 2000)).added == 2000
     client.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
     env |= {"ROLLSTREAM_REDIS__URL": redis_server.url, "ROLLSTREAM_RUN": run_name}

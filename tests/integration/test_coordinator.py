@@ -17,6 +17,7 @@ from rollstream.shared.buffer import Claim
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import BatchTimeout, ReplayBufferError
 from rollstream.shared.keys import PRODUCERS
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
 from tests.helpers import group_for, prompts
 
@@ -65,7 +66,7 @@ class BackgroundProducer:
     def _serve(self) -> None:
         async def main() -> None:
             client = redis.Redis.from_url(self.server.url)
-            producer = Producer(self.settings, client, LocalPool.start(self.settings), "p1")
+            producer = Producer(self.settings, client, LocalPool.start(self.settings.engines), "p1")
             claim = producer.buffer.claim
 
             def recorded(*args: Any, **kwargs: Any) -> list[Claim]:
@@ -192,7 +193,7 @@ def test_finalize_with_a_timeout_honours_min_wait_num(redis_server: EmbeddedRedi
     settings = coordinator_settings(redis_server, run_name)
     coord = coordinator(redis_server, settings)
     coord.submit_batch("b4", prompts("math", 10), min_wait_num=3)
-    worker = coord.buffer.__class__(coord.client, settings, "hand")
+    worker = open_buffer(coord.client, settings, "hand")
     for claim in worker.claim("math", 2):  # only two finish in time
         worker.complete(claim, group_for(claim.prompt))
     with pytest.raises(BatchTimeout, match=r"2 of 10 results after 0\.3 s, fewer than min_wait_num 3"):

@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from rollstream.consumer.coordinator import BatchCoordinator
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import BatchTimeout
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts, wait_for
@@ -34,7 +34,7 @@ def coordinator(server: EmbeddedRedis, settings: Settings, name: str, **kwargs: 
 
 def finish(client: redis.Redis, settings: Settings, count: int) -> None:
     """``count`` of the batch's prompts generated, as a producer would."""
-    worker = ReplayBuffer(client, settings, "hand")
+    worker = open_buffer(client, settings, "hand")
     for claim in worker.claim("math", count):
         worker.complete(claim, group_for(claim.prompt))
 

@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import PRODUCERS, TRAINER, Count, Keys, progress_field
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import group_for, prompts, rollstream
 
@@ -51,7 +51,7 @@ def test_an_entry_of_an_unknown_major_stops_the_trainer_until_moved_by_hand(
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(run_name)
-    producer = ReplayBuffer(client, settings, "p")
+    producer = open_buffer(client, settings, "p")
     producer.ensure("math")
     # Given a group of format 2.0 (a newer producer's) ahead of two good ones
     future: dict[str, Any] = dict(codec.encode_group(group_for(prompts("math", 1, start=9)[0], n=2)))
@@ -94,7 +94,7 @@ def test_dead_letter_moves_a_pending_prompt_and_refuses_what_is_not_there(
     settings = load_settings(run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 2}])
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(run_name)
-    producer = ReplayBuffer(client, settings, "p")
+    producer = open_buffer(client, settings, "p")
     producer.feed(prompts("math", 1))
     [claim] = producer.claim("math", limit=100)
     moved = _run(env, "dead-letter", keys.prompts("math"), claim.entry.id, "--reason", "crashes the judge")

@@ -23,6 +23,7 @@ from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import PRODUCERS, TRAINER
+from rollstream.shared.runconfig import open_buffer
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts, wait_for, wait_idle
 
@@ -46,7 +47,7 @@ def make(server: EmbeddedRedis, make_settings: SettingsFactory) -> Iterator:  # 
         settings = make_settings(server.url, buffer=knobs)
         client = connect(settings.redis)
         clients.append(client)
-        return ReplayBuffer(client, settings, consumer)
+        return open_buffer(client, settings, consumer)
 
     yield buffer
     for client in clients:
@@ -56,12 +57,12 @@ def make(server: EmbeddedRedis, make_settings: SettingsFactory) -> Iterator:  # 
 CLAIMER = textwrap.dedent(
     """
     import sys, time
-    from rollstream.shared.buffer import ReplayBuffer
     from rollstream.shared.connection import connect
+    from rollstream.shared.runconfig import open_buffer
     from rollstream.shared.settings import load_settings
 
     settings = load_settings(run=sys.argv[2], redis={"url": sys.argv[1]}, tasks=[{"name": "math"}])
-    buffer = ReplayBuffer(connect(settings.redis), settings, "doomed")
+    buffer = open_buffer(connect(settings.redis), settings, "doomed")
     claims = buffer.claim("math", 3)
     print(" ".join(c.prompt.uid for c in claims), flush=True)
     time.sleep(600)  # holds the claims until the test kills it

@@ -21,6 +21,7 @@ from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import FeederError, FormatError, RedisOutOfMemory
 from rollstream.shared.keys import GROUPS, PRODUCERS, TRAINER, Count, Keys, progress_field
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from rollstream.shared.streams import SETTLE_RESENDS
 from tests.conftest import SettingsFactory
@@ -41,7 +42,7 @@ def make(redis_server: EmbeddedRedis, make_settings: SettingsFactory) -> Iterato
         settings = make_settings(redis_server.url, buffer=knobs)
         client = connect(settings.redis)
         clients.append(client)
-        return ReplayBuffer(client, settings, consumer)
+        return open_buffer(client, settings, consumer)
 
     yield buffer
     for client in clients:
@@ -222,12 +223,12 @@ def test_a_trainer_keeps_the_groups_it_holds_from_another_trainer_consumer(
     )
     client = connect(settings.redis)
     try:
-        producer = ReplayBuffer(client, settings, "p1")
+        producer = open_buffer(client, settings, "p1")
         producer.feed(prompts("math", 2))
         for claim in producer.claim("math", 2, limit=100):
             producer.complete(claim, group_for(claim.prompt))
         holder = BatchReader(client, settings, "trainer-a")
-        other = ReplayBuffer(client, settings, "trainer-b")
+        other = open_buffer(client, settings, "trainer-b")
         batch = holder.get_batch(1, timeout_s=5.0)
         assert len(batch) == 2
         started = time.monotonic()
@@ -260,7 +261,7 @@ def test_a_lone_producer_process_completes_a_prompt_whose_settle_failed_once_onl
         producer={"max_tokens": 100, "is_valid": "keep_all", "heartbeat_s": 0.1, "max_inflight": 4},
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
     producer.buffer.feed(prompts("math", 1))
     _break_settles(producer.buffer, times=SETTLE_RESENDS + 1)  # the first settle fails for good
     keys = producer.buffer.keys
@@ -314,7 +315,7 @@ def test_a_lone_producer_takes_back_a_claim_whose_group_crashed(
         producer={"max_tokens": 100, "is_valid": "keep_all", "heartbeat_s": 0.1, "max_inflight": 4},
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
     producer.buffer.feed(prompts("math", 1))
     score = producer.runner.score
     crashed: list[str] = []

@@ -21,7 +21,7 @@ def test_a_restarted_engine_actor_serves_only_on_the_runs_weights(run_name: str)
         run=run_name,
         engines={"count": 1, "num_cpus": 0, "max_restarts": 2, "sim": {"time_compression": 1000.0}},
     )
-    pool = EnginePool.start(settings)
+    pool = EnginePool.start(settings.run, settings.engines)
     try:
         assert asyncio.run(pool.sync_weights(4, mode="abort")) == []
         # Given the actor killed and restarted by Ray (from step 0)
@@ -34,7 +34,7 @@ def test_a_restarted_engine_actor_serves_only_on_the_runs_weights(run_name: str)
         assert all(set(g.versions.tolist()) == {4} for g in result.generations)
         assert _step(pool) == 4
     finally:
-        EnginePool.stop(settings)
+        EnginePool.stop(settings.run, settings.engines.count)
 
 
 def _step(pool: EnginePool) -> int | None:

@@ -117,9 +117,9 @@ def pool(models: Models, ray_local: None) -> Iterator[EnginePool]:
                 },
             },
         )
-    pool = EnginePool.start(settings, detached=False)
+    pool = EnginePool.start(settings.run, settings.engines, detached=False)
     yield pool
-    EnginePool.stop(settings)
+    EnginePool.stop(settings.run, settings.engines.count)
 
 
 def run(coro: Any) -> Any:

@@ -29,7 +29,7 @@ def test_scale_without_an_engines_process_scales_the_detached_engines(
     )
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(settings.run)
-    EnginePool.start(settings)  # detached, as `rollstream engines` leaves them
+    EnginePool.start(settings.run, settings.engines)  # detached, as `rollstream engines` leaves them
     RunControl(client, keys).set_ray_address(str(ray.get_runtime_context().gcs_address))
     count = EngineCount(client, keys)
     count.set_autoscale(1, 4)
@@ -46,7 +46,7 @@ def test_scale_without_an_engines_process_scales_the_detached_engines(
         assert (count.wanted(), count.serving()) == (1, 1)
         assert "1 engines serving" in capsys.readouterr().out
     finally:
-        EnginePool.stop(settings)
+        EnginePool.stop(settings.run, settings.engines.count)
         client.close()
 
 

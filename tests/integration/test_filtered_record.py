@@ -38,7 +38,7 @@ def test_each_filtered_group_leaves_its_uid(redis_server: EmbeddedRedis, run_nam
         producer={"max_tokens": 100, "is_valid": f"{__name__}:reject_all", "heartbeat_s": 0.2},
     )
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
     producer.buffer.feed(prompts("math", 3))
     asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
 

@@ -17,6 +17,7 @@ from rollstream.producer.pool import LocalPool
 from rollstream.producer.tokenizer import BytesTokenizer
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE
+from rollstream.shared.settings import load_settings
 from tests.conftest import BufferFactory
 from tests.helpers import prompts
 
@@ -59,8 +60,14 @@ class FakeEngine:
         return EngineHealth(True, 0, False, len(self.requests), 0, 0, 0.0)
 
 
-def runner_for(buffer: ReplayBuffer, pool: LocalPool) -> GroupRunner:
-    return GroupRunner(buffer.settings, buffer, pool, BytesTokenizer(), load_judge("math"), keep_all)
+def runner_for(buffer: ReplayBuffer, pool: LocalPool, /, **overrides: Any) -> GroupRunner:
+    """A runner built, as the producer builds it, from the sections it uses: those of the
+    settings ``overrides`` (the ones the buffer was opened with)."""
+    s = load_settings(**overrides)
+    return GroupRunner(
+        s.producer, s.tasks, buffer, pool, BytesTokenizer(), load_judge("math"), keep_all,
+        on_weight_sync=s.rollout.on_weight_sync, max_attempts=s.buffer.max_attempts,
+    )  # fmt: skip
 
 
 def settings(**buffer: Any) -> dict[str, Any]:
@@ -79,7 +86,7 @@ def test_a_timed_out_attempt_is_retried_away_from_the_engine_that_hung(real_buff
     gate = asyncio.Event()
     fine, hung = FakeEngine(gate), FakeEngine(hangs=True)
     pool = LocalPool([fine, hung])
-    runner = runner_for(buffer, pool)
+    runner = runner_for(buffer, pool, **settings())
 
     async def main() -> tuple[str, str]:
         first = asyncio.create_task(runner.run(busy))  # engine 0 busy: the next group goes to 1
@@ -102,7 +109,7 @@ def test_the_timeout_reason_names_the_engine_that_hung(real_buffer: BufferFactor
     buffer.feed(prompts("math", 1))
     (claim,) = buffer.claim("math", 1)
     engines = [FakeEngine(hangs=True), FakeEngine(hangs=True)]
-    runner = runner_for(buffer, LocalPool(list(engines)))
+    runner = runner_for(buffer, LocalPool(list(engines)), **settings())
     assert asyncio.run(runner.run(claim)) == FAILED
     assert [len(e.requests) for e in engines] == [1, 1]
     dead_letters: Any = buffer.client.xrange(buffer.keys.dead)

@@ -34,14 +34,14 @@ from tests.integration.test_producer import settings_for
 
 pytestmark = pytest.mark.integration
 
-GROUP_LOG = "rollstream.producer.group"
+GROUP_LOG = "rollstream.producer.judging"  # JudgeFailures says it
 
 
 def make(url: str, run: str, process: dict[str, Any] | None = None, **overrides: Any) -> Producer:
     settings = settings_for(url, run, **overrides)
     if process:
         settings = settings.model_copy(update={"process": settings.process.model_copy(update=process)})
-    return Producer(settings, redis.Redis.from_url(url), LocalPool.start(settings), "p1")
+    return Producer(settings, redis.Redis.from_url(url), LocalPool.start(settings.engines), "p1")
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from rollstream.consumer.batches import BatchReader
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.keys import GROUPS, TRAINER, Keys
+from rollstream.shared.runconfig import open_buffer
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts, wait_for
 
@@ -35,11 +35,11 @@ def test_the_keeper_goes_on_after_an_unexpected_error_and_keeps_the_groups(
     client = connect(settings.redis)
     holder = BatchReader(client, settings, "trainer-a")
     try:
-        producer = ReplayBuffer(client, settings, "p1")
+        producer = open_buffer(client, settings, "p1")
         producer.feed(prompts("math", 2))
         for claim in producer.claim("math", 2, limit=100):
             producer.complete(claim, group_for(claim.prompt))
-        other = ReplayBuffer(client, settings, "trainer-b")
+        other = open_buffer(client, settings, "trainer-b")
         # Given a keeper whose first refresh fails with an error that is not Redis'
         touch, failed = holder.buffer.touch, []
 

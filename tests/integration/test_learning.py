@@ -38,6 +38,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.mark.heavy  # a learning run (a minute here): make test-all and CI
 @pytest.mark.timeout(240)
 def test_an_async_run_through_redis_learns_and_evaluates(
     redis_server: EmbeddedRedis, run_name: str, tmp_path: Path, one_thread: None

@@ -18,10 +18,10 @@ import redis
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
 from rollstream.shared import telemetry
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis, free_port
 from rollstream.shared.events import STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import Keys
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import prompts, wait_for, wait_for_async
 
@@ -45,9 +45,9 @@ def test_a_producer_counts_groups_tokens_latencies_syncs_and_admission_waits(
         producer={"max_tokens": 400, "is_valid": "keep_all", "heartbeat_s": 0.2, "max_inflight": 16},
     )
     client = redis.Redis.from_url(redis_server.url)
-    ReplayBuffer(client, settings, "feed").feed(prompts("math", 8))
+    open_buffer(client, settings, "feed").feed(prompts("math", 8))
     telemetry.identify(run_name, "producer")
-    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
     me = {"run": run_name, "role": "producer"}
     math = {**me, "task": "math"}
 
@@ -110,7 +110,7 @@ def test_the_metrics_process_serves_the_run_on_PORT_and_stops_with_it(
         settings = load_settings(
             run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 2}]
         )
-        ReplayBuffer(client, settings, "feed").feed(prompts("math", 6))
+        open_buffer(client, settings, "feed").feed(prompts("math", 6))
         fed = f'rollstream_progress_fed_total{{run="{run_name}",task="math"}} 6.0'
         body = wait_for(lambda: (b := _answers(port)) is not None and fed in b and b, timeout=60)
         assert f'rollstream_run_up{{run="{run_name}"}} 1.0' in body

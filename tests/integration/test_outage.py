@@ -16,7 +16,7 @@ import orjson
 import pytest
 import redis
 
-from rollstream.shared.connection import OutageRetry, connect
+from rollstream.shared.connection import STOPPING, OutageRetry, connect, stop_over
 from rollstream.shared.embedded import free_port
 from rollstream.shared.keys import Keys
 from rollstream.shared.settings import RedisSettings
@@ -200,6 +200,52 @@ def test_outage_retry_returns_once_the_call_succeeds(caplog: pytest.LogCaptureFi
     assert result == "ok" and failures == [1, 2]
     assert caplog.text.count("does not answer") == 1  # one line per outage, not per retry
     assert "answers again after" in caplog.text
+
+
+def test_a_stopping_process_waits_for_a_gone_redis_once(caplog: pytest.LogCaptureFixture) -> None:
+    # a process manager stops Redis with the rest: a stopping process's last writes
+    # (heartbeat keys, counts) must not each wait STOPPING_LIMIT_S past the manager's grace
+    retry = OutageRetry("redis://host:1/0", limit_s=10, base_s=0.001, cap_s=0.002)
+    attempts: list[str] = []
+    up = [False]
+
+    def do() -> str:
+        attempts.append("try")
+        if not up[0]:
+            raise redis.ConnectionError("Connection refused")
+        return "ok"
+
+    STOPPING.set()
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(redis.ConnectionError):
+            retry.call_with_retry(do, lambda error: None)
+        assert len(attempts) > 1  # the first call rode it out for the stopping limit
+        assert "gone while this process stops" in caplog.text
+        attempts.clear()
+        with pytest.raises(redis.ConnectionError):
+            retry.call_with_retry(do, lambda error: None)
+        assert attempts == ["try"]  # the next one failed at once
+        up[0] = True
+        assert retry.call_with_retry(do, lambda error: None) == "ok"
+        up[0] = False
+        attempts.clear()
+        with pytest.raises(redis.ConnectionError):  # Redis answered in between: ridden out again
+            retry.call_with_retry(do, lambda error: None)
+        assert len(attempts) > 1
+    finally:
+        stop_over()
+    attempts.clear()
+    up[0] = False
+    outcomes = iter([False, False, True])
+
+    def flaky() -> str:
+        attempts.append("try")
+        if not next(outcomes):
+            raise redis.ConnectionError("Connection refused")
+        return "ok"
+
+    # the stop over, a later outage is ridden out for the whole limit again
+    assert retry.call_with_retry(flaky, lambda error: None) == "ok" and len(attempts) == 3
 
 
 def test_a_process_past_the_outage_limit_exits_3(tmp_path: Path, run_name: str) -> None:

@@ -17,9 +17,10 @@ import ray
 import redis
 
 from rollstream.producer.pool import EnginePool
-from rollstream.shared.buffer import Batch, ReplayBuffer
+from rollstream.shared.buffer import Batch
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import WEIGHT_SYNC, RunControl
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import prompts, wait_for
 
@@ -53,10 +54,10 @@ def test_feed_engines_two_producers_and_a_trainer_run_async_steps(
         engines={"count": 2, "num_cpus": 0, "sim": {"time_compression": 20.0, "median_tokens": 200}},
     )
     client = redis.Redis.from_url(redis_server.url)
-    trainer = ReplayBuffer(client, settings, "trainer")
+    trainer = open_buffer(client, settings, "trainer")
     control = RunControl(client, trainer.keys)
     trainer.feed(prompts("math", FED))
-    EnginePool.start(settings)
+    EnginePool.start(settings.run, settings.engines)
     address = ray.get_runtime_context().gcs_address
     # output to files: a pipe nobody reads while the test trains would fill up and stall a producer
     logs = [(tmp_path / f"p{i}.out", tmp_path / f"p{i}.err") for i in range(2)]
@@ -104,7 +105,7 @@ def test_feed_engines_two_producers_and_a_trainer_run_async_steps(
             except subprocess.TimeoutExpired:  # a stop that hangs fails below, with its output
                 proc.kill()
                 codes.append(proc.wait())
-        EnginePool.stop(settings)
+        EnginePool.stop(settings.run, settings.engines.count)
     outs = [(out.read_text(), err.read_text()) for out, err in logs]
     assert codes == [0, 0], [err[-1500:] for _, err in outs]
     assert all("stopped:" in out for out, _ in outs)

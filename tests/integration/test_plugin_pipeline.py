@@ -49,7 +49,7 @@ def test_a_run_with_a_plugin_engine_judge_and_filter(redis_server: EmbeddedRedis
             "heartbeat_s": 0.2,
         },
     )
-    pool = LocalPool.start(settings)
+    pool = LocalPool.start(settings.engines)
     engines = [host.engine for host in pool.hosts]
     assert [type(e) for e in engines] == [MarkedEngine, MarkedEngine]
     producer = Producer(settings, redis.Redis.from_url(redis_server.url), pool, "p1")

@@ -32,9 +32,9 @@ def pool_settings(run: str, **sim: object) -> Settings:
 @pytest.fixture
 def pool(run_name: str) -> EnginePool:  # type: ignore[misc]
     settings = pool_settings(run_name)
-    pool = EnginePool.start(settings)
+    pool = EnginePool.start(settings.run, settings.engines)
     yield pool
-    EnginePool.stop(settings)
+    EnginePool.stop(settings.run, settings.engines.count)
 
 
 def test_two_engines_share_the_load(pool: EnginePool) -> None:
@@ -68,7 +68,7 @@ ATTACHER = textwrap.dedent(
 
     init_ray(sys.argv[1])
     settings = load_settings(run=sys.argv[2], engines={"count": 2})
-    pool = EnginePool.attach(settings)
+    pool = EnginePool.attach(settings.run, settings.engines.count)
     result = asyncio.run(pool.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), 3, "other"))
     print(result.engine, [len(g.response_ids) for g in result.generations], result.error or "ok")
     """
@@ -90,12 +90,12 @@ def test_attach_without_engines_says_what_is_missing(run_name: str) -> None:
     from rollstream.producer.pool import PoolError
 
     with pytest.raises(PoolError, match=f"rollstream:{run_name}:engine:0"):
-        EnginePool.attach(pool_settings(run_name))
+        EnginePool.attach(run_name, pool_settings(run_name).engines.count)
 
 
 def test_killed_engine_fails_its_group_is_restarted_and_a_retry_succeeds(run_name: str) -> None:
     settings = pool_settings(run_name, time_compression=1.0)
-    pool = EnginePool.start(settings)
+    pool = EnginePool.start(settings.run, settings.engines)
     try:
 
         async def main() -> None:
@@ -126,7 +126,7 @@ def test_killed_engine_fails_its_group_is_restarted_and_a_retry_succeeds(run_nam
 
         asyncio.run(main())
     finally:
-        EnginePool.stop(settings)
+        EnginePool.stop(settings.run, settings.engines.count)
 
 
 def test_pause_update_and_health_reach_every_engine(pool: EnginePool) -> None:
@@ -166,7 +166,7 @@ def test_engines_started_by_the_cli_serve_a_producer_in_another_process(
     assert RunControl(redis.Redis.from_url(redis_server.url), Keys(run_name)).ray_address() == address
     # When this process attaches to them by name, Then they generate (they outlived their starter)
     settings = pool_settings(run_name)
-    pool = EnginePool.attach(settings)
+    pool = EnginePool.attach(settings.run, settings.engines.count)
     result = asyncio.run(pool.generate([4, 5], SamplingParams(max_tokens=30, ignore_eos=True), 2, "g"))
     assert not result.failed
     assert [len(g.response_ids) for g in result.generations] == [30, 30]

@@ -199,3 +199,33 @@ def test_engines_process_check_engines_and_sigterm(
 
 def _alive(client: redis.Redis, run: str, role: str) -> bool:
     return any(True for _ in client.scan_iter(match=f"{Keys(run).alive_pattern[:-1]}{role}:*"))
+
+
+def test_sigterm_after_redis_went_away_is_a_clean_exit(run_name: str, tmp_path: Path) -> None:
+    """A process manager stopping everything at once may stop Redis first: a producer with
+    groups in flight then gets SIGTERM with no Redis to hand its claims back to. It says
+    so and exits 0, promptly (its claims stay pending in Redis' data, reclaimed after
+    claim_idle_ms once Redis is back)."""
+    server = EmbeddedRedis().start()
+    try:
+        env = env_for(server.url, run_name, ROLLSTREAM_REDIS__OUTAGE_LIMIT_S="60")
+        path = tmp_path / "p.jsonl"
+        path.write_text(
+            "".join(f'{{"uid": "q{i}", "prompt": "What is {i}?", "answer": "{i}"}}\n' for i in range(20))
+        )
+        assert run(env, "feed", str(path), "--task", "math").returncode == 0
+        watcher = redis.Redis.from_url(server.url)
+        with spawn(env, "produce", "--local-engines") as producer:
+            wait_for(
+                lambda: producer.poll() is not None or pending(watcher, Keys(run_name).prompts("math")) >= 3,
+                timeout=60,
+            )
+            assert producer.poll() is None, producer.communicate()[1][-3000:]
+            watcher.close()
+            server.stop()
+            producer.send_signal(signal.SIGTERM)
+            _, err = producer.communicate(timeout=60)
+    finally:
+        server.stop()
+    assert producer.returncode == 0, err[-3000:]
+    assert "SIGTERM received" in err

@@ -49,7 +49,7 @@ def make_producer(redis_server: EmbeddedRedis, run_name: str) -> ProducerFactory
     def make(name: str = "p1", clock: ManualClock | None = None, **overrides: Any) -> Producer:
         settings = settings_for(redis_server.url, run_name, **overrides)
         if clock is None:
-            pool = LocalPool.start(settings)
+            pool = LocalPool.start(settings.engines)
         else:
             pool = LocalPool(
                 [SimEngine(settings.engines.sim, clock=clock) for _ in range(settings.engines.count)]

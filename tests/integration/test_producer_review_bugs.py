@@ -12,9 +12,9 @@ import redis
 
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import WEIGHT_SYNC
+from rollstream.shared.runconfig import open_buffer
 from tests.helpers import prompts
 from tests.integration.test_producer import settings_for
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 def make(redis_server: EmbeddedRedis, run_name: str, **overrides: Any) -> Producer:
     settings = settings_for(redis_server.url, run_name, **overrides)
-    return Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings), "p1")
+    return Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), "p1")
 
 
 @pytest.mark.timeout(60)
@@ -91,7 +91,7 @@ def test_a_dead_lettered_group_gives_its_place_back_to_the_producers(
     asyncio.run(producer.run(burst=True))
     assert producer.stats.outcomes == {"completed": 4}
     # When the trainer dead-letters one of them (it could not use it)
-    trainer = ReplayBuffer(producer.buffer.client, producer.settings, "trainer")
+    trainer = open_buffer(producer.buffer.client, producer.settings, "trainer")
     (item, *_) = trainer.read_batch("math", 4).items
     assert trainer.dead_letter(item.entry, "bad group")
     # Then a producer may make one more: the dead group no longer holds a place for ever

@@ -5,26 +5,24 @@ its group with a reason that names it."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
 
 from rollstream.producer.engines.base import EngineHealth, Generation, SamplingParams
-from rollstream.producer.filters import keep_all
 from rollstream.producer.group import (
     COMPLETED,
     FAILED,
     SAMPLING_META,
     GroupFailed,
-    GroupRunner,
     prompt_sampling,
 )
-from rollstream.producer.judges.registry import load_judge
 from rollstream.producer.pool import LocalPool
-from rollstream.producer.tokenizer import BytesTokenizer
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE, Prompt
 from rollstream.shared.settings import ProducerSettings
 from tests.conftest import BufferFactory
+from tests.integration.test_group_timeout import runner_for
 
 pytestmark = pytest.mark.integration
 
@@ -56,11 +54,11 @@ class RecordingEngine:
 
 
 def test_each_prompt_is_sampled_its_own_way(real_buffer: BufferFactory) -> None:
-    buffer = real_buffer(
-        "p",
-        tasks=[{"name": "math", "n": 2}],
-        producer={"temperature": 0.7, "top_p": 0.9, "is_valid": "keep_all"},
-    )
+    overrides: dict[str, Any] = {
+        "tasks": [{"name": "math", "n": 2}],
+        "producer": {"temperature": 0.7, "top_p": 0.9, "is_valid": "keep_all"},
+    }
+    buffer = real_buffer("p", **overrides)
     meta = {"answer": "2"}
     buffer.feed(
         [
@@ -70,9 +68,7 @@ def test_each_prompt_is_sampled_its_own_way(real_buffer: BufferFactory) -> None:
         ]
     )
     engine = RecordingEngine()
-    runner = GroupRunner(
-        buffer.settings, buffer, LocalPool([engine]), BytesTokenizer(), load_judge("math"), keep_all
-    )
+    runner = runner_for(buffer, LocalPool([engine]), **overrides)
 
     async def run_all() -> list[str]:
         return [await runner.run(claim) for claim in buffer.claim("math", 3)]

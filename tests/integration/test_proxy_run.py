@@ -27,10 +27,10 @@ require("openai", "test")
 from rollstream.producer.agents.examples import read_guess
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.shared import codec
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis, free_port
 from rollstream.shared.keys import Keys
 from rollstream.shared.records import ENV, MODEL
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import ProducerProcess, still_running, wait_for, wait_for_async
 
@@ -48,7 +48,7 @@ def test_an_outside_agent_on_the_openai_client_makes_groups_through_the_proxy(
     # Given a run with four guess-the-number prompts and a proxy serving its episodes
     settings = load_settings(run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "agent", "n": N}])
     prompts = read_prompt_file(EXAMPLES / "guess.jsonl", "agent")[:GROUPS]
-    ReplayBuffer(redis.Redis.from_url(redis_server.url), settings, "feed").feed(prompts)
+    open_buffer(redis.Redis.from_url(redis_server.url), settings, "feed").feed(prompts)
     port = free_port()
     env = {
         **os.environ,

@@ -89,8 +89,8 @@ def test_a_producer_whose_clock_is_off_is_not_taken_for_dead(
 ) -> None:
     with monkeypatch.context() as skewed:  # the producer's machine: its clock 10 s behind
         skewed.setattr(shared_events, "time", SkewedTime(-10.0))
-        control.heartbeat("behind", 2, 1)
-    control.heartbeat("right", 2, 0)
+        control.publish_status("behind", 2, 1)
+    control.publish_status("right", 2, 0)
     # the trainer's machine, on the right time: both are alive, neither is deleted
     assert [(b.producer, b.model_step) for b in control.producers(5.0)] == [("behind", 2), ("right", 2)]
     assert control.client.hexists(control.keys.state, "producer:behind")
@@ -109,7 +109,7 @@ def test_a_group_of_empty_responses_has_the_step_it_was_made_at(
         producer={"is_valid": "keep_all"},
     )
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
     publish_weights(producer.control, 3)  # the run is at step 3 when the producer starts
     producer.buffer.feed(prompts("math", 2))
     asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
@@ -137,7 +137,7 @@ def test_a_progress_counter_that_is_not_a_number_stops_the_producer_naming_the_k
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(run_name)
     client.hset(keys.progress, "math:produced_tokens", "lots")  # one the settle adds to
-    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
     producer.buffer.feed(prompts("math", 4))
     # was: every group failed with a logged ResponseError, its claim left pending, for ever
     with pytest.raises(CorruptValueError, match=r"rs:\{t\w+\}:progress field math:produced_tokens is 'lots'"):

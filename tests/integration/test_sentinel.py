@@ -21,10 +21,10 @@ import pytest
 import redis
 
 from rollstream.consumer.batches import BatchReader, TrainBatch
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.connection import connect
 from rollstream.shared.errors import RedisUnavailable
 from rollstream.shared.keys import TRAINER, Keys
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import RedisSettings, load_settings
 from tests.ha import DATA_ARGS, Node, SentinelSet
 from tests.helpers import group_for, prompts, wait_for
@@ -128,7 +128,7 @@ def test_a_batch_is_handed_out_only_once_a_replica_holds_its_reads(
         tasks=[{"name": "math", "n": 2}],
         rollout={"batch_size": 2},
     )
-    producer = ReplayBuffer(connect(settings.redis), settings, "p")
+    producer = open_buffer(connect(settings.redis), settings, "p")
     producer.feed(prompts("math", 2))
     for claim in producer.claim("math", 2):
         producer.complete(claim, group_for(claim.prompt))
@@ -244,6 +244,9 @@ def _account(record: Path, fed: int) -> dict[str, int]:
     return dict(rows)
 
 
+# about a minute each here: `make test` leaves them to `make test-all` and CI, and runs
+# test_failover_reconcile.py's in-process run through a failover that loses the last writes
+@pytest.mark.heavy
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("wait_replicas", [1, 0], ids=["wait-on", "wait-off"])
 def test_a_run_goes_on_through_a_failover_that_loses_the_last_writes(
@@ -268,11 +271,7 @@ def test_a_run_goes_on_through_a_failover_that_loses_the_last_writes(
         return _cli("train", "--steps", str(max(left, 1)), "--step-time", "0.2", "--record", str(record),
                     "--stop-run")  # fmt: skip
 
-    procs = [
-        Supervised("producer-a", lambda: _cli("produce", "--local-engines"), env, tmp_path / "pa.log"),
-        Supervised("producer-b", lambda: _cli("produce", "--local-engines"), env, tmp_path / "pb.log"),
-        Supervised("trainer", trainer_argv, env, tmp_path / "trainer.log"),
-    ]
+    procs = formation(trainer_argv, env, tmp_path)
     trainer = procs[-1]
     try:
         # Given a run in progress
@@ -295,7 +294,7 @@ def test_a_run_goes_on_through_a_failover_that_loses_the_last_writes(
         old.start()
         # Then the run goes on to its last step and every process ends by itself
         # (every one polled: one that failed is restarted)
-        wait_for(lambda: all([p.poll() is not None for p in procs]), timeout=240)
+        wait_for_all_to_end(procs)
     finally:
         for p in procs:
             p.kill()
@@ -304,6 +303,7 @@ def test_a_run_goes_on_through_a_failover_that_loses_the_last_writes(
                             cwd=ROOT)  # fmt: skip
     assert status.returncode == 0, status.stderr
     result = orjson.loads(status.stdout)
+    assert "math" in result["accounts"], (status.stdout, _tails(procs))
     account = result["accounts"]["math"]
     dead = subprocess.run(_cli("show", "dead"), env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     rows = _account(record, PROMPTS)
@@ -322,6 +322,25 @@ def test_a_run_goes_on_through_a_failover_that_loses_the_last_writes(
         # and were trained again in later steps, both commits seen to succeed
         assert twice > 0, rows
         assert account["trained"] < rows["trained once"] + 2 * twice, (account, rows)
+
+
+def formation(trainer_argv: Callable[[], list[str]], env: dict[str, str], tmp_path: Path) -> list[Supervised]:
+    """Two producers on local sim engines and a trainer (last), each restarted when it
+    fails, logging under ``tmp_path``."""
+    return [
+        Supervised("producer-a", lambda: _cli("produce", "--local-engines"), env, tmp_path / "pa.log"),
+        Supervised("producer-b", lambda: _cli("produce", "--local-engines"), env, tmp_path / "pb.log"),
+        Supervised("trainer", trainer_argv, env, tmp_path / "trainer.log"),
+    ]
+
+
+def wait_for_all_to_end(procs: list[Supervised], timeout: float = 240) -> None:
+    """Until every process has ended by itself (each polled: one that failed is
+    restarted); a failure shows every process's log, not only the one that failed."""
+    try:
+        wait_for(lambda: all([p.poll() is not None for p in procs]), timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_tails(procs)}") from exc
 
 
 def _tails(procs: list[Supervised]) -> str:

@@ -19,12 +19,13 @@ import pytest
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.buffer import BATCH_META, ReplayBuffer
+from rollstream.shared.buffer import BATCH_META
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import DecodeError
 from rollstream.shared.events import WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import Keys
 from rollstream.shared.records import Group, Prompt, Sample
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import group_for, prompts
 
@@ -96,8 +97,8 @@ def run(redis_server: EmbeddedRedis) -> Iterator[Run]:
     )
     client: Any = redis.Redis.from_url(redis_server.url)  # replies are bytes; redis-py types them loosely
     keys = Keys(name)
-    producer = ReplayBuffer(client, settings, "producer-1")
-    trainer = ReplayBuffer(client, settings, "trainer")
+    producer = open_buffer(client, settings, "producer-1")
+    trainer = open_buffer(client, settings, "trainer")
     producer.ensure("default")
     bad_prompt = {b"uid": b"bad", b"task": b"default", b"data": b"[1, 2]"}
     ids = {"bad prompt": client.xadd(keys.prompts("default"), bad_prompt).decode()}

@@ -15,17 +15,13 @@ import numpy as np
 import pytest
 
 from rollstream.producer.engines.base import FINISH_ABORT, Generation
-from rollstream.producer.filters import keep_all
-from rollstream.producer.group import GroupRunner
-from rollstream.producer.judges.registry import load_judge
 from rollstream.producer.pool import LocalPool
-from rollstream.producer.tokenizer import BytesTokenizer
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.keys import PRODUCERS
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE, Group, Sample
 from tests.conftest import BufferFactory
 from tests.helpers import prompts
-from tests.integration.test_group_timeout import FakeEngine
+from tests.integration.test_group_timeout import FakeEngine, runner_for
 
 pytestmark = pytest.mark.integration
 
@@ -70,9 +66,7 @@ def test_a_group_cancelled_while_its_abort_waits_for_a_thread_still_hands_its_cl
     buffer = real_buffer("p", tasks=[{"name": "math", "n": 2}], buffer={"claim_idle_ms": 60_000})
     buffer.feed(prompts("math", 1))
     (claim,) = buffer.claim("math", 1)
-    runner = GroupRunner(
-        buffer.settings, buffer, LocalPool([AbortingEngine()]), BytesTokenizer(), load_judge("math"), keep_all
-    )
+    runner = runner_for(buffer, LocalPool([AbortingEngine()]), tasks=[{"name": "math", "n": 2}])
     free = threading.Event()
 
     async def main() -> None:
@@ -105,9 +99,7 @@ def test_completions_queued_for_a_thread_land_when_the_loop_goes_away(real_buffe
     ids, logprobs = np.array([50], dtype=ID_DTYPE), np.array([-0.1], dtype=LOGPROB_DTYPE)
     sample = Sample(list(ids), list(ids), list(logprobs), [0], finish_reason="stop", reward={"score": 1.0})
     group = Group.for_prompt(claim.prompt, samples=[sample], producer=buffer.consumer)
-    runner = GroupRunner(
-        buffer.settings, buffer, LocalPool([FakeEngine()]), BytesTokenizer(), load_judge("math"), keep_all
-    )
+    runner = runner_for(buffer, LocalPool([FakeEngine()]), tasks=[{"name": "math", "n": 1}])
     free = threading.Event()
 
     async def main() -> None:

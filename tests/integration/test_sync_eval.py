@@ -13,8 +13,8 @@ import redis
 from rollstream.consumer.coordinator import BatchCoordinator
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import prompts, wait_for
 
@@ -34,7 +34,7 @@ def test_a_producer_with_its_sync_batch_done_serves_an_eval_batch(
         producer={"is_valid": "keep_all", "max_inflight": 8, "max_tokens": 300},
     )
     client = redis.Redis.from_url(redis_server.url)
-    buffer = ReplayBuffer(client, settings, "feeder")
+    buffer = open_buffer(client, settings, "feeder")
     buffer.feed(prompts("math", 40))
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -42,7 +42,7 @@ def test_a_producer_with_its_sync_batch_done_serves_an_eval_batch(
 
     def serve() -> None:
         async def main() -> None:
-            producer = Producer(settings, client, LocalPool.start(settings), "p1")
+            producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
             done = asyncio.Event()
             running = asyncio.create_task(producer.run(done))
             await asyncio.to_thread(stop.wait)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import group_for, prompts, require
 
@@ -36,7 +36,7 @@ def test_the_trainer_logs_each_step_to_tensorboard_and_wandb(
         run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 4}],
         rollout={"batch_size": BATCH, "max_staleness": 5},
     )  # fmt: skip
-    buffer = ReplayBuffer(redis.Redis.from_url(redis_server.url), settings, "p1")
+    buffer = open_buffer(redis.Redis.from_url(redis_server.url), settings, "p1")
     buffer.feed(prompts("math", STEPS * BATCH))
     for claim in buffer.claim("math", STEPS * BATCH):
         buffer.complete(claim, group_for(claim.prompt))

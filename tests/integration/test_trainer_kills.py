@@ -14,10 +14,10 @@ import orjson
 import pytest
 import redis
 
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import TRAINER, Keys
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import group_for, prompts, wait_for
 
@@ -42,7 +42,7 @@ def test_a_trainer_killed_repeatedly_within_one_step_redoes_it_on_the_same_group
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(run_name)
-    producer = ReplayBuffer(client, settings, "p")
+    producer = open_buffer(client, settings, "p")
     producer.feed(prompts("math", BATCH))
     made = []
     for claim in producer.claim("math", BATCH):

@@ -18,6 +18,7 @@ from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import TRAINER, Keys
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
 from tests.helpers import group_for, prompts, wait_for
 
@@ -46,7 +47,7 @@ def test_a_trainer_that_died_before_its_commit_redoes_the_same_step(
     # max_staleness 0: a skipped step number would expire every later group for good
     settings = settings_for(redis_server, run_name)
     client = redis.Redis.from_url(redis_server.url)
-    first = produce(ReplayBuffer(client, settings, "p"), 2, step=0, start=0)
+    first = produce(open_buffer(client, settings, "p"), 2, step=0, start=0)
     # Given a trainer that read the batch of step 1 and died before its commit
     doomed = BatchReader(client, settings, "trainer")
     assert sorted(g.group_id for g in doomed.get_batch(1, timeout_s=5).groups) == sorted(first)
@@ -61,7 +62,7 @@ def test_a_trainer_that_died_before_its_commit_redoes_the_same_step(
     assert control.train_step() == 1 and control.model_step() == 1
     assert client.xpending(Keys(run_name).groups("math"), TRAINER)["pending"] == 0
     # and the run goes on: groups made on the new weights are trained at step 2
-    produce(ReplayBuffer(client, settings, "p"), 2, step=1, start=2)
+    produce(open_buffer(client, settings, "p"), 2, step=1, start=2)
     log = ReferenceTrainer(client, settings, step_time_s=0, consumer="trainer").run(1)
     assert [(s.step, s.expired) for s in log.steps] == [(2, 0)]
 
@@ -120,11 +121,11 @@ def test_a_trainer_that_died_between_commit_and_weight_sync_publishes_it_on_rest
     client = redis.Redis.from_url(redis_server.url)
     control = RunControl(client, Keys(run_name))
     # Given step 1 committed, and its weight sync never published
-    produce(ReplayBuffer(client, settings, "p"), 2, step=0, start=0)
+    produce(open_buffer(client, settings, "p"), 2, step=0, start=0)
     BatchReader(client, settings, "trainer").get_batch(1, timeout_s=5).commit()
     assert (control.train_step(), control.model_step()) == (1, 0)
     # When the trainer restarts, Then it publishes step 1 before it waits for step 2
-    produce(ReplayBuffer(client, settings, "p"), 2, step=1, start=2)
+    produce(open_buffer(client, settings, "p"), 2, step=1, start=2)
     log = ReferenceTrainer(client, settings, step_time_s=0, consumer="trainer").run(1)
     assert [(s.step, s.expired) for s in log.steps] == [(2, 0)]
     events = [f[b"model_step"] for _, f in client.xrange(Keys(run_name).events)]

@@ -23,7 +23,8 @@ from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
-from rollstream.shared.keys import TRAINER
+from rollstream.shared.keys import TRAINER, Keys
+from rollstream.shared.runconfig import open_buffer, task_quota
 from rollstream.shared.settings import Settings, load_settings
 from tests.helpers import group_for, prompts, still_running, wait_for, wait_for_async
 
@@ -56,7 +57,7 @@ def test_expiry_at_the_exact_boundary(
     # max_staleness 1: threshold = 2 x interval; staleness = train_step - model_step - 1
     settings = settings_for(redis_server, run_name, max_staleness=1, sync_weights_interval=interval)
     client = redis.Redis.from_url(redis_server.url)
-    producer = ReplayBuffer(client, settings, "p")
+    producer = open_buffer(client, settings, "p")
     produce_at(producer, [expired, kept, kept])
     reader = BatchReader(client, settings)
     batch = reader.get_batch(train_step)
@@ -70,10 +71,10 @@ def test_expiry_at_the_exact_boundary(
 def test_tail_batch_minus_one_drops_expired_groups(redis_server: EmbeddedRedis, run_name: str) -> None:
     settings = settings_for(redis_server, run_name, max_staleness=0, tail_batch_trigger_size=-1)
     client = redis.Redis.from_url(redis_server.url)
-    produce_at(ReplayBuffer(client, settings, "p"), [0, 3, 3])
+    produce_at(open_buffer(client, settings, "p"), [0, 3, 3])
     batch = BatchReader(client, settings).get_batch(4)
     assert batch.expired == 1 and len(batch) == 2
-    keys = ReplayBuffer(client, settings).keys
+    keys = open_buffer(client, settings).keys
     assert client.xlen(keys.expired("math")) == 0
     assert client.hget(keys.progress, "math:expired_dropped") == b"1"
 
@@ -84,7 +85,7 @@ def test_tail_batch_modes_decide_when_producers_take_the_expired_pool_first(
 ) -> None:
     settings = settings_for(redis_server, run_name, max_staleness=0, tail_batch_trigger_size=trigger)
     client = redis.Redis.from_url(redis_server.url)
-    produce_at(ReplayBuffer(client, settings, "p"), [0] * waiting + [9, 9])
+    produce_at(open_buffer(client, settings, "p"), [0] * waiting + [9, 9])
     reader = BatchReader(client, settings)
     assert reader.get_batch(10).expired == waiting
     producer = Producer(settings, client, LocalPool([]), "probe")
@@ -97,7 +98,7 @@ def test_a_trainer_killed_before_commit_gets_the_same_groups_again(
 ) -> None:
     settings = settings_for(redis_server, run_name)
     client = redis.Redis.from_url(redis_server.url)
-    ids = produce_at(ReplayBuffer(client, settings, "p"), [0, 0, 0, 0])
+    ids = produce_at(open_buffer(client, settings, "p"), [0, 0, 0, 0])
     env = {
         **os.environ,
         "ROLLSTREAM_REDIS__URL": redis_server.url,
@@ -105,7 +106,7 @@ def test_a_trainer_killed_before_commit_gets_the_same_groups_again(
         "ROLLSTREAM_TASKS": '[{"name": "math", "n": 2}]',
         "ROLLSTREAM_ROLLOUT__BATCH_SIZE": "2",
     }
-    keys = ReplayBuffer(client, settings).keys
+    keys = open_buffer(client, settings).keys
     with subprocess.Popen(
         [sys.executable, "-m", "rollstream.cli.main", "train", "--steps", "1", "--step-time", "60"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -129,16 +130,16 @@ def test_progress_checkpoint_round_trip_never_goes_backwards(
 ) -> None:
     settings = settings_for(redis_server, run_name)
     client = redis.Redis.from_url(redis_server.url)
-    produce_at(ReplayBuffer(client, settings, "p"), [0, 0, 0])
+    produce_at(open_buffer(client, settings, "p"), [0, 0, 0])
     reader = BatchReader(client, settings)
     reader.get_batch(1).commit()
-    progress = ProduceProgress(client, settings)
+    progress = ProduceProgress(client, Keys(settings.run), task_quota(settings))
     saved = progress.state_dict()
     assert saved["next_consumer_step"] == 2
     assert saved["tasks"]["math"]["completed"] == 3 and saved["tasks"]["math"]["consumed"] == 2
     assert saved["tasks"]["math"]["produced_samples"] == 12  # 3 groups of 4 samples
     # more happens after the checkpoint; loading the older checkpoint keeps the newer counts
-    produce_at(ReplayBuffer(client, settings, "p"), [1])
+    produce_at(open_buffer(client, settings, "p"), [1])
     progress.load_state_dict(saved)
     assert progress.counts("math")["completed"] == 4
     # Redis lost everything: the checkpoint brings the counts back
@@ -152,15 +153,15 @@ def test_publish_weights_and_wait_for_producers_names_the_laggards(
     redis_server: EmbeddedRedis, run_name: str
 ) -> None:
     settings = settings_for(redis_server, run_name)
-    control = RunControl(redis.Redis.from_url(redis_server.url), ReplayBuffer(
+    control = RunControl(redis.Redis.from_url(redis_server.url), open_buffer(
         redis.Redis.from_url(redis_server.url), settings).keys)  # fmt: skip
-    control.heartbeat("fast", 3, 0)
-    control.heartbeat("slow", 2, 4)
+    control.publish_status("fast", 3, 0)
+    control.publish_status("slow", 2, 4)
     publish_weights(control, 3, "/ckpt/3")
     assert control.model_step() == 3
     with pytest.raises(SyncTimeout, match=r"slow \(step 2\)"):
         wait_for_producers(control, 3, timeout_s=0.2)
-    control.heartbeat("slow", 3, 0)
+    control.publish_status("slow", 3, 0)
     assert wait_for_producers(control, 3, timeout_s=1) == ["fast", "slow"]
 
 
@@ -169,7 +170,7 @@ def test_a_batch_timeout_returns_partial_only_above_min_wait_num(
 ) -> None:
     settings = settings_for(redis_server, run_name, batch_size=4)
     client = redis.Redis.from_url(redis_server.url)
-    produce_at(ReplayBuffer(client, settings, "p"), [0, 0])
+    produce_at(open_buffer(client, settings, "p"), [0, 0])
     reader = BatchReader(client, settings)
     with pytest.raises(BatchTimeout, match=r"2 groups after 0.3 s, fewer than min_wait_num 3 \(math 2/4"):
         reader.get_batch(1, timeout_s=0.3, min_wait_num=3)
@@ -186,7 +187,7 @@ def test_producers_and_the_trainer_settle_on_one_model_step(
         rollout={"batch_size": 2}, producer={"is_valid": "keep_all", "heartbeat_s": 0.05},
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
     producer.buffer.feed(prompts("math", 20))
 
     async def main() -> list[str]:
@@ -208,7 +209,7 @@ def test_groups_read_before_a_batch_timeout_are_not_stranded(
 ) -> None:
     settings = settings_for(redis_server, run_name, batch_size=4)
     client = redis.Redis.from_url(redis_server.url)
-    producer = ReplayBuffer(client, settings, "p")
+    producer = open_buffer(client, settings, "p")
     first = produce_at(producer, [0, 0])
     reader = BatchReader(client, settings)
     with pytest.raises(BatchTimeout):
@@ -234,7 +235,7 @@ def test_the_reference_trainer_stops_while_it_waits_for_data(
     logs: list[Any] = []
     thread = threading.Thread(target=lambda: logs.append(trainer.run(5, stop=stop)))
     thread.start()  # no producer: nothing ever arrives
-    groups = ReplayBuffer(client, settings).keys.groups("math")
+    groups = open_buffer(client, settings).keys.groups("math")
 
     def reading() -> bool:
         try:

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 from tests.helpers import prompts, wait_for
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 def fed_env(redis_server: EmbeddedRedis, run_name: str) -> dict[str, str]:
     settings = load_settings(run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 2}])
-    ReplayBuffer(redis.Redis.from_url(redis_server.url), settings, "feed").feed(prompts("math", 5))
+    open_buffer(redis.Redis.from_url(redis_server.url), settings, "feed").feed(prompts("math", 5))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLSTREAM_", "PORT"))}
     env.update(
         ROLLSTREAM_RUN=run_name,

@@ -14,8 +14,9 @@ from rollstream.cli.commands import autoscale_step
 from rollstream.producer.engines.base import EngineHealth
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import Keys
+from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.scaling import ENGINES_AUTOSCALE, EngineCount, autoscale_target
-from tests.conftest import BufferFactory
+from tests.conftest import SettingsFactory
 from tests.helpers import prompts
 
 
@@ -62,11 +63,11 @@ class Pool:
 
 
 def test_the_engines_process_asks_for_one_engine_more_while_busy_with_prompts_waiting(
-    fake_buffer: BufferFactory, fake_client: redis.Redis
+    make_settings: SettingsFactory, fake_client: redis.Redis
 ) -> None:
-    buffer = fake_buffer()
-    settings = buffer.settings
-    keys = Keys(settings.run)
+    settings = make_settings()
+    buffer = open_buffer(fake_client, settings, "worker")
+    keys = buffer.keys
     count = EngineCount(fake_client, keys)
     assert autoscale_step(settings, Pool([0.9, 0.95]), count, fake_client) is None  # no rule: nothing
     assert count.wanted() is None

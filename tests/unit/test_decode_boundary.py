@@ -511,6 +511,8 @@ def test_steps_in_range_read_back(fake_client: redis.Redis) -> None:
 
 # --- progress counters ---------------------------------------------------------------------------
 
+QUOTA = {"math": 1, "code": 1}  # the fixtures' two tasks; the targets are not what these tests check
+
 
 @pytest.mark.parametrize("value", [b"many", b"1.5", b"1e3", b"\xff"])
 def test_a_corrupt_progress_counter_names_key_and_field(fake_buffer: BufferFactory, value: bytes) -> None:
@@ -519,12 +521,12 @@ def test_a_corrupt_progress_counter_names_key_and_field(fake_buffer: BufferFacto
     with pytest.raises(CorruptValueError, match=r"progress field math:completed is .*, not a count"):
         buffer.accepted("math")
     with pytest.raises(CorruptValueError, match=r"progress field math:completed is "):
-        ProduceProgress(buffer.client, buffer.settings).counts("math")
+        ProduceProgress(buffer.client, buffer.keys, QUOTA).counts("math")
 
 
 def test_a_corrupt_reward_sum_names_key_and_field(fake_buffer: BufferFactory) -> None:
     buffer = fake_buffer("p1")
-    progress = ProduceProgress(buffer.client, buffer.settings)
+    progress = ProduceProgress(buffer.client, buffer.keys, QUOTA)
     buffer.client.hset(buffer.keys.progress, "math:reward_sum", "2.5")
     assert progress.counts("math")["reward_sum"] == 2.5
     buffer.client.hset(buffer.keys.progress, "math:reward_sum", "nan")
@@ -534,7 +536,7 @@ def test_a_corrupt_reward_sum_names_key_and_field(fake_buffer: BufferFactory) ->
 
 def test_a_corrupt_step_breaks_the_progress_snapshot_with_a_clear_error(fake_buffer: BufferFactory) -> None:
     buffer = fake_buffer("p1")
-    progress = ProduceProgress(buffer.client, buffer.settings)
+    progress = ProduceProgress(buffer.client, buffer.keys, QUOTA)
     buffer.client.hset(buffer.keys.state, TRAIN_STEP, "later")
     with pytest.raises(CorruptValueError, match="field train_step is 'later', not a step number"):
         progress.state_dict()
@@ -544,4 +546,4 @@ def test_good_counters_still_count(fake_buffer: BufferFactory) -> None:
     buffer = fake_buffer("p1")
     buffer.client.hset(buffer.keys.progress, mapping={"math:completed": 5, "math:expired": 2})
     assert buffer.accepted("math") == 3
-    assert ProduceProgress(buffer.client, buffer.settings).counts("math")["completed"] == 5
+    assert ProduceProgress(buffer.client, buffer.keys, QUOTA).counts("math")["completed"] == 5

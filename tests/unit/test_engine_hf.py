@@ -331,9 +331,14 @@ def test_concurrent_requests_decode_in_one_batch(engine: HFEngine, monkeypatch: 
     steps = count_steps(engine, monkeypatch)
 
     async def together() -> list[list[Any]]:
-        return list(
-            await asyncio.gather(*(engine.generate(p, q, n=2) for p, q in zip(prompts, params, strict=True)))
-        )
+        # paused while the three are handed in: on a loaded machine the decode thread took
+        # its first steps with one of them alone, and the count measured the load
+        await engine.pause()
+        pairs = zip(prompts, params, strict=True)
+        tasks = [asyncio.create_task(engine.generate(p, q, n=2)) for p, q in pairs]
+        await wait_for_async(lambda: len(engine._requests) == len(tasks), timeout=30, interval=0.001)
+        await engine.resume()
+        return list(await asyncio.gather(*tasks))
 
     both = run(together())
     for mine, theirs in zip(both, alone, strict=True):

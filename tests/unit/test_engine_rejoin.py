@@ -19,7 +19,7 @@ def test_a_restarted_engine_is_brought_to_the_runs_step_before_it_generates() ->
     settings = load_settings(engines=FAST)
 
     async def main() -> None:
-        pool = LocalPool.start(settings)
+        pool = LocalPool.start(settings.engines)
         assert await pool.sync_weights(3, mode="abort") == []
         # Given engine 0 restarted (a new actor starts from step 0)
         pool.hosts[0] = EngineHost(make_engine(settings.engines))

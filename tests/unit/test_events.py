@@ -22,8 +22,8 @@ def test_weight_sync_sets_the_model_step_and_followers_see_it(fake_client: redis
 
 def test_heartbeats_list_live_producers_and_drop_dead_ones(fake_client: redis.Redis) -> None:
     control = RunControl(fake_client, Keys("exp"))
-    control.heartbeat("p1", 2, 5)
-    control.heartbeat("p2", 1, 0)
+    control.publish_status("p1", 2, 5)
+    control.publish_status("p2", 1, 0)
     assert [(b.producer, b.model_step, b.inflight) for b in control.producers(60)] == [
         ("p1", 2, 5),
         ("p2", 1, 0),
@@ -31,7 +31,7 @@ def test_heartbeats_list_live_producers_and_drop_dead_ones(fake_client: redis.Re
     # p1's last beat 100 s ago on the server's clock, which stamps and ages heartbeats
     old = {"model_step": 2, "inflight": 5, "ts": control.server_time() - 100}
     fake_client.hset(Keys("exp").state, "producer:p1", orjson.dumps(old))
-    control.heartbeat("p2", 2, 1)
+    control.publish_status("p2", 2, 1)
     assert [b.producer for b in control.producers(60)] == ["p2"]
     assert fake_client.hexists(Keys("exp").state, "producer:p1") == 0
     control.forget("p2")

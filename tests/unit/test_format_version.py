@@ -14,12 +14,13 @@ from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.errors import FormatError
 from rollstream.shared.events import WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import Keys
-from rollstream.shared.runconfig import check_run_settings
+from rollstream.shared.runconfig import check_run_settings, open_buffer
 from tests.helpers import group_for, prompts
 
 
-def test_every_entry_and_the_state_carry_the_format(fake_buffer: Any) -> None:
-    buffer: ReplayBuffer = fake_buffer("p")
+def test_every_entry_and_the_state_carry_the_format(fake_client: redis.Redis, make_settings: Any) -> None:
+    settings = make_settings()
+    buffer = open_buffer(fake_client, settings, "p")
     buffer.feed(prompts("math", 1))
     ((_, fields),) = buffer.client.xrange(buffer.keys.prompts("math"))
     assert fields[b"format"] == codec.FORMAT_VERSION.encode()
@@ -31,7 +32,7 @@ def test_every_entry_and_the_state_carry_the_format(fake_buffer: Any) -> None:
     control.publish(WEIGHT_SYNC, 1)
     ((_, event),) = buffer.client.xrange(buffer.keys.events)
     assert event[b"format"] == codec.FORMAT_VERSION.encode()
-    check_run_settings(buffer.client, buffer.keys, buffer.settings, "p")
+    check_run_settings(buffer.client, buffer.keys, settings, "p")
     assert buffer.client.hget(buffer.keys.state, "format") == codec.FORMAT_VERSION.encode()
 
 

@@ -13,7 +13,7 @@ from rollstream.shared.settings import load_settings
 
 def timeout(recent_s: list[float], **producer: object) -> float | None:
     settings = load_settings(producer=producer)
-    runner = SimpleNamespace(settings=settings, recent_s=deque(recent_s))
+    runner = SimpleNamespace(producer=settings.producer, recent_s=deque(recent_s))
     return GroupRunner.timeout_s(runner)  # type: ignore[arg-type]
 
 

@@ -17,7 +17,7 @@ def test_a_drain_cut_short_by_the_sync_timeout_leaves_the_engine_open() -> None:
     settings = load_settings(engines=ONE)
 
     async def main() -> None:
-        pool = LocalPool.start(settings)
+        pool = LocalPool.start(settings.engines)
         # Given a request that runs far longer than the sync timeout
         long = asyncio.create_task(pool.generate([1, 2, 3], LONG, 1, "long", engine=0))
         await asyncio.sleep(0)  # admitted: the drain waits for it

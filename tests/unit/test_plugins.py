@@ -48,7 +48,7 @@ def test_make_engine_builds_the_plugin_with_its_options() -> None:
 
 def test_the_local_pool_generates_a_group_on_plugin_engines() -> None:
     settings = load_settings(engines={"kind": PLUGIN, "count": 2, "options": {"tokens": 5}})
-    pool = LocalPool.start(settings)
+    pool = LocalPool.start(settings.engines)
     assert [type(host.engine) for host in pool.hosts] == [MarkedEngine, MarkedEngine]
     assert [host.engine for host in pool.hosts] == MarkedEngine.made
 
@@ -114,7 +114,7 @@ def test_a_kind_that_builds_no_engine_names_the_setting_and_what_is_allowed(kind
 def test_the_pool_reports_a_factory_that_builds_no_engine() -> None:
     settings = load_settings(engines={"kind": "tests.plugins.engine:not_an_engine"})
     with pytest.raises(SettingsError, match=r"engines\.kind .* lacks the Engine methods"):
-        LocalPool.start(settings)
+        LocalPool.start(settings.engines)
 
 
 @pytest.mark.parametrize("kind", ["nope", "mypkg.engine:", "my pkg:make", ""])

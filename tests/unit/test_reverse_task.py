@@ -114,6 +114,7 @@ def test_prompts_cover_the_task_with_a_held_out_split(tmp_path: Path) -> None:
     assert len(read_prompt_file(train_path, "reverse")) == len(train)
 
 
+@pytest.mark.heavy  # a learning smoke (100 steps of training): make test-all and CI
 def test_the_model_learns_the_task_in_a_plain_loop(tmp_path: Path) -> None:
     """The unit-speed check of model, task and algorithm: GRPO 8 prompts x 8 samples,
     Adam 1e-3, one update a batch. Measured (seeds 0-5): chance 0.07-0.09 over the first

@@ -182,7 +182,7 @@ def test_the_run_collector_reports_what_redis_holds(fake_buffer: BufferFactory) 
     claims = producer.claim("math", 3)
     producer.complete(claims[0], group_for(claims[0].prompt))
     producer.complete(claims[1], group_for(claims[1].prompt))
-    RunControl(producer.client, producer.keys).heartbeat("p1", 0, 1)
+    RunControl(producer.client, producer.keys).publish_status("p1", 0, 1)
     trainer = fake_buffer("trainer")
     trainer.read_batch("math", 1)  # one of the two groups pending with the trainer
     producer.client.hset(producer.keys.state, mapping={"model_step": 3, "train_step": 4})
@@ -317,3 +317,19 @@ def test_a_probe_that_fails_is_a_warning_not_a_failed_scrape(
     registry.register(telemetry.EngineCollector(probe))
     assert [m.samples for m in registry.collect()] == [[], [], [], []]
     assert "engines did not answer a probe: engines gone" in caplog.text
+
+
+def test_the_counters_of_rare_events_start_at_zero(run_name: str) -> None:
+    # an alert's increase() sees a counter's first event only when the series was there
+    # before it, at 0 (deploy/prometheus/alerts.yml)
+    value = telemetry.REGISTRY.get_sample_value
+    me = {"run": run_name, "role": "trainer"}
+    assert value("rollstream_redis_primary_changes_total", me) is None
+    telemetry.identify(run_name, "trainer")
+    assert value("rollstream_redis_outages_total", me) == 0
+    assert value("rollstream_redis_outage_seconds_total", me) == 0
+    assert value("rollstream_redis_primary_changes_total", me) == 0
+    for reason in ("behind", "lost_commit"):
+        assert value("rollstream_redis_replica_wait_failures_total", {**me, "reason": reason}) == 0
+    telemetry.replicas_failed("behind")
+    assert value("rollstream_redis_replica_wait_failures_total", {**me, "reason": "behind"}) == 1

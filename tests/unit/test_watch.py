@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import redis
+
 from rollstream.cli.watch import Watcher, eta, headline, plain
-from rollstream.shared.keys import Count, progress_field
+from rollstream.shared.keys import Count, Keys, progress_field
 from rollstream.shared.liveness import Liveness
-from tests.conftest import BufferFactory
+from tests.conftest import SettingsFactory
 
 
-def test_the_warnings_an_operator_acts_on(fake_buffer: BufferFactory) -> None:
-    buffer = fake_buffer("p1", rollout={"max_staleness": 0})  # stale_threshold 1
-    client, keys = buffer.client, buffer.keys
+def test_the_warnings_an_operator_acts_on(make_settings: SettingsFactory, fake_client: redis.Redis) -> None:
+    settings = make_settings(rollout={"max_staleness": 0})  # stale_threshold 1
+    client, keys = fake_client, Keys(settings.run)
     client.hset(keys.state, mapping={"model_step": 2, "train_step": 3, "paused": "1"})
     client.xadd(keys.dead, {"reason": "judge failed"})
-    watcher = Watcher(buffer.settings, client)
+    watcher = Watcher(settings, client)
     view = watcher.view()
     assert view.warnings == (
         "the run is PAUSED: producers claim nothing (`rollstream resume`)",
@@ -25,11 +27,13 @@ def test_the_warnings_an_operator_acts_on(fake_buffer: BufferFactory) -> None:
     assert "  WARNING no trainer alive" in plain(view)
 
 
-def test_rates_come_from_what_moved_between_two_refreshes(fake_buffer: BufferFactory) -> None:
-    buffer = fake_buffer("p1")
-    client, keys = buffer.client, buffer.keys
+def test_rates_come_from_what_moved_between_two_refreshes(
+    make_settings: SettingsFactory, fake_client: redis.Redis
+) -> None:
+    settings = make_settings()
+    client, keys = fake_client, Keys(settings.run)
     client.hset(keys.state, mapping={"model_step": 1, "train_step": 1})
-    watcher = Watcher(buffer.settings, client)
+    watcher = Watcher(settings, client)
     first = watcher.view()
     assert first.steps_per_min is None and first.groups_per_s is None  # nothing to compare with yet
     client.hset(keys.state, "train_step", 3)
@@ -40,12 +44,14 @@ def test_rates_come_from_what_moved_between_two_refreshes(fake_buffer: BufferFac
     assert second.trained_per_s == 0
 
 
-def test_the_eta_comes_from_the_trainer_s_steps_left_and_the_step_rate(fake_buffer: BufferFactory) -> None:
-    buffer = fake_buffer("p1")
-    client, keys = buffer.client, buffer.keys
+def test_the_eta_comes_from_the_trainer_s_steps_left_and_the_step_rate(
+    make_settings: SettingsFactory, fake_client: redis.Redis
+) -> None:
+    settings = make_settings()
+    client, keys = fake_client, Keys(settings.run)
     client.hset(keys.state, mapping={"model_step": 1, "train_step": 1})
     Liveness(client, keys, "trainer", "trainer", 60).beat(step=1, steps_left=9)
-    watcher = Watcher(buffer.settings, client)
+    watcher = Watcher(settings, client)
     assert eta(watcher.view()) == ", 9 steps left"  # no rate yet
     client.hset(keys.state, "train_step", 2)
     view = watcher.view()

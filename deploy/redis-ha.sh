@@ -1,0 +1,81 @@
+#!/bin/sh
+# Start one node of a Redis set with failover: a data node (primary or replica) or a
+# Sentinel, following the primary that the Sentinels name now (deploy/README.md, "Redis
+# high availability"). The same script for Compose (compose/compose.ha.yaml) and
+# Kubernetes (k8s/redis-ha.yaml, which holds a copy: tests/unit/test_deploy_ha.py checks
+# that the two agree and runs this one with real redis-server processes).
+#
+#   redis-ha.sh data        # a data node: the primary on a first start if it is FIRST, else a replica
+#   redis-ha.sh sentinel    # a Sentinel watching the set
+#
+# Environment:
+#   SELF            this node's host name (or address) as the other nodes and the clients reach it
+#   FIRST           host:port of the data node that is the primary on the set's first start
+#   SENTINELS       the Sentinels, host:port, separated by spaces
+#   SERVICE         the set's name at the Sentinels (the one in redis+sentinel://.../SERVICE/0)
+#   REDIS_PASSWORD  the data nodes' password, which the Sentinels require too
+#   DATA            a writable folder (the data node's append-only file; the Sentinel's file)
+#   CONF            the data nodes' redis.conf (deploy/redis.conf: append-only file, no eviction);
+#                   each node its own copy, or read-only: a Sentinel rewrites a writable one
+#   REDIS_PORT (6379), SENTINEL_PORT (26379), BIND (0.0.0.0), QUORUM (2),
+#   DOWN_AFTER_MS (5000): how long a primary may not answer before the Sentinels fail it over
+set -eu
+export REDISCLI_AUTH="$REDIS_PASSWORD"
+REDIS_PORT="${REDIS_PORT:-6379}"
+SENTINEL_PORT="${SENTINEL_PORT:-26379}"
+BIND="${BIND:-0.0.0.0}"
+
+# "host port" of the primary that a Sentinel names (the others first: on a restart this
+# node's own Sentinel may be starting too); FIRST's when none does (the set's first start,
+# or every Sentinel down: then FIRST must hold the latest data, see deploy/README.md)
+primary() {
+    for sentinel in $SENTINELS; do
+        answer=$(timeout 3 redis-cli -h "${sentinel%:*}" -p "${sentinel##*:}" --raw \
+            SENTINEL GET-MASTER-ADDR-BY-NAME "$SERVICE" 2>/dev/null | tr '\n' ' ') || answer=""
+        set -- $answer
+        if [ $# -eq 2 ]; then
+            echo "$1 $2"
+            return
+        fi
+    done
+    echo "${FIRST%:*} ${FIRST##*:}"
+}
+
+case "${1:-}" in
+data)
+    set -- $(primary)
+    if [ "$1" = "$SELF" ] && [ "$2" = "$REDIS_PORT" ]; then
+        set --
+    else
+        set -- --replicaof "$1" "$2"
+    fi
+    exec redis-server "$CONF" --port "$REDIS_PORT" --bind "$BIND" --dir "$DATA" \
+        --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \
+        --replica-announce-ip "$SELF" --replica-announce-port "$REDIS_PORT" "$@"
+    ;;
+sentinel)
+    set -- $(primary)
+    # written afresh at each start: what the Sentinels agree on now comes from the others
+    cat >"$DATA/sentinel.conf" <<EOF
+port $SENTINEL_PORT
+bind $BIND
+dir $DATA
+requirepass $REDIS_PASSWORD
+sentinel sentinel-pass $REDIS_PASSWORD
+sentinel resolve-hostnames yes
+sentinel announce-hostnames yes
+sentinel announce-ip $SELF
+sentinel announce-port $SENTINEL_PORT
+sentinel monitor $SERVICE $1 $2 ${QUORUM:-2}
+sentinel auth-pass $SERVICE $REDIS_PASSWORD
+sentinel down-after-milliseconds $SERVICE ${DOWN_AFTER_MS:-5000}
+sentinel failover-timeout $SERVICE 60000
+sentinel parallel-syncs $SERVICE 1
+EOF
+    exec redis-server "$DATA/sentinel.conf" --sentinel
+    ;;
+*)
+    echo "usage: redis-ha.sh data|sentinel" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,68 @@
+"""The producer's parts take the sections of the settings they use, never the whole tree
+(issue 22): the group runner its producer section, the tasks' group sizes, the weight-sync
+mode and the attempts; the pools and the engine actors the engines section and the run's
+name. Only the producer's composition root (producer/worker.py) holds the tree."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+
+from rollstream.producer.filters import keep_all
+from rollstream.producer.group import GroupRunner
+from rollstream.producer.judges.registry import load_judge
+from rollstream.producer.pool import LocalPool
+from rollstream.producer.tokenizer import BytesTokenizer
+from rollstream.shared.errors import SettingsError
+from rollstream.shared.keys import Keys
+from rollstream.shared.settings import load_settings
+
+PRODUCER = Path(__file__).resolve().parents[2] / "producer"
+NARROW = ["group.py", "pool.py", "actors.py", "completions.py", "judging.py", "heartbeat.py", "progress.py"]
+
+
+def imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+@pytest.mark.parametrize("module", NARROW)
+def test_the_producers_parts_do_not_import_the_settings_tree(module: str) -> None:
+    path = PRODUCER / module
+    assert "Settings" not in imported_names(path)
+    assert "load_settings" not in imported_names(path)
+
+
+def test_a_group_runner_is_built_from_sections(fake_client: redis.Redis) -> None:
+    settings = load_settings(
+        tasks=[{"name": "math", "n": 3}, {"name": "code", "n": 5}],
+        producer={"group_timeout_s": 7.0},
+        rollout={"on_weight_sync": "drain"},
+        buffer={"max_attempts": 4},
+    )
+    buffer: Any = SimpleNamespace(client=fake_client, keys=Keys("r"), consumer="p1")
+    s = settings
+    runner = GroupRunner(
+        s.producer, s.tasks, buffer, LocalPool([]), BytesTokenizer(), load_judge("math"), keep_all,
+        on_weight_sync=s.rollout.on_weight_sync, max_attempts=s.buffer.max_attempts,
+    )  # fmt: skip
+    assert not hasattr(runner, "settings")
+    assert (runner.group_size("math"), runner.group_size("code")) == (3, 5)
+    assert (runner.on_weight_sync, runner.max_attempts, runner.timeout_s()) == ("drain", 4, 7.0)
+    assert runner.agent.config.on_weight_sync == "drain"  # type: ignore[attr-defined]
+    with pytest.raises(SettingsError, match="unknown task 'nope'; the settings define: math, code"):
+        runner.group_size("nope")
+
+
+def test_a_local_pool_is_built_from_the_engines_section() -> None:
+    engines = load_settings(engines={"kind": "sim", "count": 3}).engines
+    pool = LocalPool.start(engines)
+    assert len(pool.hosts) == 3 and pool.serving() == [0, 1, 2]
