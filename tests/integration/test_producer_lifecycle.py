@@ -22,6 +22,7 @@ from rollstream.shared.events import PAUSE, RESUME, WEIGHT_SYNC
 from rollstream.shared.keys import EXPIRED, PRODUCERS, Role
 from rollstream.shared.liveness import Liveness
 from rollstream.shared.records import Prompt, Sample
+from rollstream.shared.runconfig import open_buffer
 from tests.helpers import prompts, wait_for, wait_idle
 from tests.integration.test_producer import settings_for
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 def make(redis_server: EmbeddedRedis, run_name: str, name: str = "p1", **overrides: Any) -> Producer:
     settings = settings_for(redis_server.url, run_name, **overrides)
-    return Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings), name)
+    return Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), name)
 
 
 class Running:
@@ -117,7 +118,7 @@ def test_a_restarted_producer_takes_back_a_dead_ones_claims_from_the_expired_poo
     producer = make(redis_server, run_name, "restarted", **overrides)
     keys = producer.buffer.keys
     # Given a producer in tail mode that claimed the 5 prompts of the expired pool, then died
-    dead = ReplayBuffer(redis.Redis.from_url(redis_server.url), producer.settings, "dead")
+    dead = open_buffer(redis.Redis.from_url(redis_server.url), producer.settings, "dead")
     dead.feed(prompts("math", 5), pool=EXPIRED)
     assert len(dead.claim("math", 5, include_expired=True)) == 5
     wait_idle(producer.buffer.client, keys.expired("math"), PRODUCERS, 200)
@@ -130,15 +131,24 @@ def test_a_restarted_producer_takes_back_a_dead_ones_claims_from_the_expired_poo
     assert not producer._tail["math"]
 
 
-TTL_S = 0.6
+TTL_S = 2.0  # the liveness key's
+CLAIM_IDLE_MS = 1200
+HELD_S = 3.0  # how long the tests hold the loop or the judge: past both
 
 
 def live_producer(redis_server: EmbeddedRedis, run_name: str, **overrides: Any) -> Producer:
-    """A producer whose claims may be reclaimed after 0.3 s and whose liveness key expires
-    after 0.6 s unless renewed: it beats every 0.1 s."""
+    """A producer whose claims may be reclaimed after 1.2 s and whose liveness key expires
+    after 2 s unless renewed: it beats every 0.1 s. The margins (a beat every 0.1 s against
+    a 2 s key, a claim renewed every 0.4 s against 1.2 s) hold on a loaded 2-core machine,
+    where a 0.6 s key once expired under a parallel run."""
     producer_settings = {"heartbeat_s": 0.1, **overrides.pop("producer", {})}
     producer = make(
-        redis_server, run_name, "p1", buffer={"claim_idle_ms": 300}, producer=producer_settings, **overrides
+        redis_server,
+        run_name,
+        "p1",
+        buffer={"claim_idle_ms": CLAIM_IDLE_MS},
+        producer=producer_settings,
+        **overrides,
     )
     producer.liveness = Liveness(producer.buffer.client, producer.buffer.keys, Role.PRODUCER, "p1", TTL_S)
     return producer
@@ -164,7 +174,7 @@ def test_a_judge_slower_than_the_liveness_ttl_keeps_the_producer_alive_and_its_c
     RELEASE.clear()
     judge = f"{__name__}:HeldJudge"
     producer = live_producer(redis_server, run_name, producer={"judge": judge})
-    thief = ReplayBuffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
+    thief = open_buffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
     producer.buffer.feed(prompts("math", 1))
     run_producer(producer)
     try:
@@ -172,7 +182,7 @@ def test_a_judge_slower_than_the_liveness_ttl_keeps_the_producer_alive_and_its_c
         # TTL and claim_idle_ms (before the fix it ran on the event loop and held it)
         assert JUDGING.wait(30)
         # Then its liveness key stays and nobody reclaims its claim meanwhile
-        assert throughout(1.5, alive_and_holding(producer, thief)) > 5
+        assert throughout(HELD_S, alive_and_holding(producer, thief)) > 5
         # and its event loop goes on: it follows a weight sync while the judge works
         producer.control.publish(WEIGHT_SYNC, 1)
         wait_for(lambda: producer.model_step == 1, timeout=15)
@@ -191,7 +201,7 @@ def test_a_held_event_loop_does_not_stop_the_heartbeat_nor_the_claims_touch(
     # slow engines: a group takes seconds, so it is in flight while the loop is held
     slow = {"sim": {"time_compression": 0.02, "median_tokens": 100, "sigma": 0.0}}
     producer = live_producer(redis_server, run_name, engines=slow)
-    thief = ReplayBuffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
+    thief = open_buffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
     producer.buffer.feed(prompts("math", 1))
     running = run_producer(producer)
     wait_for(lambda: len(producer.inflight) == 1, timeout=30)
@@ -207,7 +217,7 @@ def test_a_held_event_loop_does_not_stop_the_heartbeat_nor_the_claims_touch(
     try:
         assert held.wait(30)
         # Then its heartbeat and its claim's idle time are renewed all the same
-        assert throughout(1.5, alive_and_holding(producer, thief)) > 5
+        assert throughout(HELD_S, alive_and_holding(producer, thief)) > 5
     finally:
         release.set()
 
@@ -245,7 +255,7 @@ def test_admission_at_the_bound_waits_for_the_weight_sync_instead_of_polling_red
     monkeypatch.setattr("rollstream.producer.worker.ADMIT_POLL_S", 60.0)
     settings = settings_for(redis_server.url, run_name)  # async, batch 4, max_staleness 0
     client = redis.Redis.from_url(redis_server.url, connection_class=Counting)
-    producer = Producer(settings, client, LocalPool.start(settings), "p1")
+    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
     producer.buffer.feed(prompts("math", 20))
     run_producer(producer)
     # Given a producer at the admission bound of model step 0 (4 groups), nothing in flight
@@ -359,7 +369,7 @@ def test_a_warm_stop_keeps_the_producer_alive_and_its_claims_while_its_groups_fi
         redis_server, run_name, producer={"judge": judge}, rollout={"on_weight_sync": "drain"}
     )
     producer.settings.process.stop_timeout_s = 60  # a warm stop that waits long for its groups
-    thief = ReplayBuffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
+    thief = open_buffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
     producer.buffer.feed(prompts("math", 1))
     running = run_producer(producer)
     try:
@@ -369,7 +379,7 @@ def test_a_warm_stop_keeps_the_producer_alive_and_its_claims_while_its_groups_fi
         running.loop.call_soon_threadsafe(running._stop.set)
         # Then, while the stop waits for the group (longer than the liveness TTL and
         # claim_idle_ms), its liveness key stays and nobody reclaims its claim
-        assert throughout(1.5, alive_and_holding(producer, thief)) > 5
+        assert throughout(HELD_S, alive_and_holding(producer, thief)) > 5
     finally:
         RELEASE.set()
     # and the group it finished lands
