@@ -285,6 +285,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` less ``option`` and its value, given as ``--opt=v`` or as ``--opt v``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -297,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(part[args.part](args), default=str), flush=True)
         return 0
-    child = [a for a in argv if not a.startswith("--parts")]
+    child = without_option(argv, "--parts")
     report: dict[str, Any] = {}
     for name in args.parts.split(","):
         print(f"gpu check: {name} ...", flush=True)

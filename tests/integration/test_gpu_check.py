@@ -47,3 +47,16 @@ def test_the_gpu_check_runs_clean_on_a_cpu(tmp_path: Path) -> None:
     learning = report["learning"]["cpu"]
     assert learning["steps"] == 3 and learning["seconds"] > 0
     assert ("cuda" in report["learning"]) == gpu
+
+
+def test_the_parts_option_is_not_handed_to_the_parts_in_either_form() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    # `--parts decode` left "decode" behind for each part's child, which refused it
+    argv = ["--parts", "decode", "--n", "32", "--parts=env", "--repeats", "1"]
+    assert gpu_check.without_option(argv, "--parts") == ["--n", "32", "--repeats", "1"]
+    child = gpu_check.parse_args(gpu_check.without_option(argv, "--parts"))
+    assert child.n == 32
