@@ -41,13 +41,31 @@ primary() {
     echo "${FIRST%:*} ${FIRST##*:}"
 }
 
+# A replica that joins (a restart, a new node) holds nothing of the set until its first
+# sync has ended, and a Sentinel would still promote it: a failover then, while the
+# primary is slow to answer, would make an empty node the primary and empty the set. It
+# starts unpromotable (replica-priority 0) and takes its configured priority once in sync
+# (the Sentinels read it within 10 s). A primary lost before then is not failed over: the
+# Sentinels try again after twice their failover-timeout, or it comes back.
+promotable_once_in_sync() {
+    host="$BIND"
+    [ "$host" = "0.0.0.0" ] && host=127.0.0.1
+    priority=$(awk '$1 == "replica-priority" { print $2 }' "$CONF")
+    until timeout 3 redis-cli -h "$host" -p "$REDIS_PORT" INFO replication 2>/dev/null \
+        | grep -q '^master_link_status:up'; do
+        sleep 1
+    done
+    timeout 3 redis-cli -h "$host" -p "$REDIS_PORT" CONFIG SET replica-priority "${priority:-100}" >/dev/null
+}
+
 case "${1:-}" in
 data)
     set -- $(primary)
     if [ "$1" = "$SELF" ] && [ "$2" = "$REDIS_PORT" ]; then
         set --
     else
-        set -- --replicaof "$1" "$2"
+        set -- --replicaof "$1" "$2" --replica-priority 0
+        promotable_once_in_sync &
     fi
     exec redis-server "$CONF" --port "$REDIS_PORT" --bind "$BIND" --dir "$DATA" \
         --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \

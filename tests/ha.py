@@ -4,6 +4,7 @@ replica per master or none."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -302,6 +303,17 @@ class SentinelSet:
         new_port = wait_for(promoted, timeout=timeout)
         return old, self.node(new_port)
 
+    def bring_back(self, node: Node) -> Node:
+        """Restart a data node that was failed over: empty (nothing persisted here), with
+        its old arguments, so that the Sentinels make it a replica of the new primary. It
+        comes back unpromotable (replica-priority 0), as deploy/redis-ha.sh brings a node
+        back until its first sync has ended: a stall of the new primary on a loaded machine
+        must not fail the set over to a node that holds nothing (a run's data gone, seen in
+        CI once as two runs of one name)."""
+        if "--replica-priority" not in node.args:
+            node.args = [*node.args, "--replica-priority", "0"]
+        return node.start()
+
     def hold_replication(self) -> None:
         """Cut the replicas off the primary while all stay up (a slow or partitioned link):
         the primary refuses their user and drops their links, so they fall behind it."""
@@ -315,7 +327,8 @@ class SentinelSet:
     def stop(self) -> None:
         for node in [*self.sentinels, *self.data]:
             node.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if not os.environ.get("KEEP_HA_LOGS"):
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class Cluster:

@@ -76,6 +76,15 @@ class Node:
         finally:
             client.close()
 
+    def priority(self) -> str:
+        client = self.client()
+        try:
+            return str(client.config_get("replica-priority")["replica-priority"])
+        except redis.RedisError:
+            return "?"
+        finally:
+            client.close()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()  # the script exec'd redis-server: this is its pid
@@ -114,6 +123,20 @@ def redis_set(tmp_path: Path) -> Iterator[tuple[list[Node], list[Node], str]]:
             node.kill()
 
 
+def _priority_seen(sentinel: Node, port: int) -> int | None:
+    """The replica-priority that ``sentinel`` last read from the replica on ``port``."""
+    client = sentinel.client()
+    try:
+        for replica in client.sentinel_slaves(SERVICE):
+            if int(replica["port"]) == port:
+                return int(replica["slave-priority"])
+    except redis.RedisError:
+        pass
+    finally:
+        client.close()
+    return None
+
+
 def _primary_port(sentinels: list[Node]) -> int | None:
     seen = []
     for sentinel in sentinels:
@@ -143,11 +166,16 @@ def test_the_deploy_script_brings_up_a_set_that_fails_over(
     assert wait_for_replicas(client, keys, settings, "a write", committed_step=1) == 1
     assert second.client().hget(keys.state, "train_step") == b"1"
 
+    # in sync, so promotable, and the Sentinels have seen it (INFO, every 10 s): a Sentinel
+    # that still sees priority 0 gives the failover up (for 2 x failover-timeout)
+    wait_for(lambda: second.priority() == "100", timeout=30)
+    wait_for(lambda: all(_priority_seen(s, second.port) == 100 for s in sentinels), timeout=30)
     first.kill()
     wait_for(lambda: _primary_port(sentinels) == second.port and second.role_now() == "master", timeout=30)
     client.hset(keys.state, "train_step", 2)  # the client follows the Sentinels
     first.start()  # the same script: the Sentinels name the new primary, so a replica of it
     assert first.role_now() == "slave"
+    wait_for(lambda: first.priority() == "100", timeout=30)  # promotable again once in sync
     assert wait_for_replicas(client, keys, settings, "a write", committed_step=2) == 1
     assert first.client().hget(keys.state, "train_step") == b"2"
     # a commit that the primary does not hold is a failure of its own kind, not a wait
@@ -155,6 +183,27 @@ def test_the_deploy_script_brings_up_a_set_that_fails_over(
         wait_for_replicas(client, keys, settings, "a write", committed_step=3)
     # what an SRE's dashboard sees of it: one failover followed, two waits, one lost commit
     assert figures.changed() == {"primary changes": 1.0, "waits": 2.0, "lost commits": 1.0, "behind": 0.0}
+
+
+def test_a_joining_replica_is_not_promotable_until_it_holds_the_data(
+    redis_set: tuple[list[Node], list[Node], str],
+) -> None:
+    """A Sentinel promotes a replica whatever it holds: one that restarted and had not
+    finished its first sync would, in a failover then, empty the set. The script starts a
+    joining replica at replica-priority 0 and gives it the configured priority once in sync."""
+    data, _, _ = redis_set
+    first, second = data
+    # Given a replica that cannot sync (its primary, FIRST, is not up yet; no Sentinel)
+    second.start()
+    assert second.role_now() == "slave"
+    # Then no Sentinel may promote it
+    assert second.priority() == "0"
+    # and once its primary is up and it holds the data, it may be
+    first.start()
+    first.client().set("k", "v")
+    wait_for(lambda: second.priority() == "100", timeout=30)
+    assert second.client().get("k") == b"v"
+    assert first.priority() == "100"  # the primary started as one: never held back
 
 
 class _Figures:

@@ -146,7 +146,7 @@ def test_a_failover_that_loses_the_last_writes_is_reconciled(
             _, new = ha.fail_over_by_kill()
             client = new.client()
             if wait_replicas:
-                old.start()  # back, empty, and made a replica of the new primary: WAIT can succeed
+                ha.bring_back(old)  # back, empty, made a replica of the new primary: WAIT can succeed
             assert client.hget(keys.state, "train_step") == b"1"
             # Then the counters agree with the streams at once, as after an AOF restart
             assert disagreements(client, keys, "math") == []

@@ -141,7 +141,7 @@ def test_a_batch_is_handed_out_only_once_a_replica_holds_its_reads(
         thread.start()
         wait_for(lambda: not thread.is_alive() or "the reads of train step 1" in caplog.text, timeout=30)
         old, new = sentinels.fail_over_by_kill()
-        old.start()
+        sentinels.bring_back(old)
         thread.join(timeout=90)
     reader.close()
     assert not thread.is_alive() and got
@@ -291,7 +291,7 @@ def test_a_run_goes_on_through_a_failover_that_loses_the_last_writes(
             done = trainer.log.read_bytes().count(steps)
             wait_for(lambda: trainer.log.read_bytes().count(steps) >= done + 2, timeout=60)
         old, _ = ha.fail_over_by_kill()
-        old.start()
+        ha.bring_back(old)
         # Then the run goes on to its last step and every process ends by itself
         # (every one polled: one that failed is restarted)
         wait_for_all_to_end(procs)
