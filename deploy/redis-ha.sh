@@ -48,7 +48,7 @@ primary() {
 # (the Sentinels read it within 10 s). A primary lost before then is not failed over: the
 # Sentinels try again after twice their failover-timeout, or it comes back.
 promotable_once_in_sync() {
-    host="$BIND"
+    host="${BIND%% *}"  # the first address it binds
     [ "$host" = "0.0.0.0" ] && host=127.0.0.1
     priority=$(awk '$1 == "replica-priority" { print $2 }' "$CONF")
     until timeout 3 redis-cli -h "$host" -p "$REDIS_PORT" INFO replication 2>/dev/null \
