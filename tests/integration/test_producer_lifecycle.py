@@ -294,7 +294,9 @@ def test_a_stalled_redis_holds_the_groups_but_not_the_event_loop(
             started = time.monotonic()
             asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=10)
             lag = time.monotonic() - started
-            assert lag < 0.3, f"the producer's event loop was held {lag:.2f} s"
+            # held for the pause (2 s) before the fix; under 1 s leaves a loaded machine
+            # room to schedule the loop's thread
+            assert lag < 1.0, f"the producer's event loop was held {lag:.2f} s"
 
         assert throughout(1.5, responsive) > 5
     finally:
