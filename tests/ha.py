@@ -227,6 +227,32 @@ class SentinelSet:
                 client.close()
         return views
 
+    def views(self) -> str:
+        """What every Sentinel names and every data node says it is: for a failure's message."""
+        lines = self._views()
+        for sentinel in self.sentinels:
+            client = sentinel.client()
+            try:
+                named = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+                lines.append(f"{sentinel.port} names {named}")
+            except redis.RedisError as exc:
+                lines.append(f"{sentinel.port}: {exc}")
+            finally:
+                client.close()
+        for node in self.data:
+            client = node.client()
+            try:
+                info = client.info("replication")
+                keys = client.dbsize()
+                lines.append(
+                    f"data {node.port}: {info.get('role')} of {info.get('master_port')}, {keys} keys"
+                )
+            except redis.RedisError as exc:
+                lines.append(f"data {node.port}: {exc}")
+            finally:
+                client.close()
+        return "\n".join(lines)
+
     def _sees_all(self, sentinel: Node) -> bool:
         client = sentinel.client()
         try:

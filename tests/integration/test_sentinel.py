@@ -15,6 +15,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -299,11 +300,26 @@ def test_a_run_goes_on_through_a_failover_that_loses_the_last_writes(
         for p in procs:
             p.kill()
     assert [p.proc.returncode for p in procs] == [0, 0, 0], _tails(procs)
-    status = subprocess.run(_cli("status", "--json"), env=env, capture_output=True, text=True, timeout=60,
-                            cwd=ROOT)  # fmt: skip
-    assert status.returncode == 0, status.stderr
-    result = orjson.loads(status.stdout)
-    assert "math" in result["accounts"], (status.stdout, _tails(procs))
+    # The run's account, read once the set has settled: the old primary a replica of the
+    # new one and in sync. Read right after the run's end, `status` found an empty node in
+    # 2 CI runs of 3 (every process had just ended on the new primary): what each read saw
+    # is printed, with the Sentinels' and the nodes' views, for the note that follows it up.
+    wait_for(lambda: ha.replicas_in_sync(1), timeout=60)
+    reads: list[str] = []
+
+    def run_status() -> dict[str, Any] | None:
+        done = subprocess.run(_cli("status", "--json"), env=env, capture_output=True, text=True, timeout=60,
+                              cwd=ROOT)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        found = orjson.loads(done.stdout)
+        if "math" not in found["accounts"]:
+            reads.append(f"{done.stdout[:300]}\n{done.stderr[-1500:]}\n{ha.views()}")
+            return None
+        return dict(found)
+
+    result = wait_for(run_status, timeout=30, interval=0.5)
+    if reads:
+        print(f"status found the run only at read {len(reads) + 1}; before:\n" + "\n".join(reads))
     account = result["accounts"]["math"]
     dead = subprocess.run(_cli("show", "dead"), env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     rows = _account(record, PROMPTS)
