@@ -129,6 +129,20 @@ DATA_ARGS = [
 ]  # fmt: skip
 
 
+def _without_option_values(args: list[str], options: dict[str, int]) -> list[str]:
+    """``args`` less each of ``options`` and the number of values it takes."""
+    out: list[str] = []
+    skip = 0
+    for arg in args:
+        if skip:
+            skip -= 1
+        elif arg in options:
+            skip = options[arg]
+        else:
+            out.append(arg)
+    return out
+
+
 class SentinelSet:
     """A primary, ``replicas`` replicas and three Sentinels (quorum 2) watching them."""
 
@@ -330,14 +344,16 @@ class SentinelSet:
         return old, self.node(new_port)
 
     def bring_back(self, node: Node) -> Node:
-        """Restart a data node that was failed over: empty (nothing persisted here), with
-        its old arguments, so that the Sentinels make it a replica of the new primary. It
-        comes back unpromotable (replica-priority 0), as deploy/redis-ha.sh brings a node
-        back until its first sync has ended: a stall of the new primary on a loaded machine
-        must not fail the set over to a node that holds nothing (a run's data gone, seen in
-        CI once as two runs of one name)."""
-        if "--replica-priority" not in node.args:
-            node.args = [*node.args, "--replica-priority", "0"]
+        """Restart a data node that was failed over, empty (nothing persisted here), as
+        deploy/redis-ha.sh brings a node back: a replica of the primary the Sentinels name,
+        unpromotable (replica-priority 0) until its first sync has ended (this harness
+        leaves it so). Restarted with its old arguments instead, it would be an empty
+        primary until the Sentinels turn it into a replica; in CI, processes of the run
+        were seen reading such an empty node (open: see the failover process test)."""
+        primary = self.primary_port()
+        assert primary is not None and primary != node.port, "no new primary to follow"
+        base = _without_option_values(node.args, {"--replica-priority": 1, "--replicaof": 2})
+        node.args = [*base, "--replicaof", "127.0.0.1", str(primary), "--replica-priority", "0"]
         return node.start()
 
     def hold_replication(self) -> None:
