@@ -38,6 +38,9 @@ class FollowingSSLConnection(FollowingConnection, SSLConnection):
 # The primary each Sentinel set last named, by (its Sentinels, service): a process's
 # clients share it, so that a failover is counted once (telemetry.primary_changed).
 _PRIMARIES: dict[tuple[tuple[str, ...], str], tuple[str, int]] = {}
+# The newest config epoch a process has taken a primary at, by the same key: config epochs
+# only grow, so an older one is a Sentinel that has not heard of a failover yet.
+_EPOCHS: dict[tuple[tuple[str, ...], str], int] = {}
 
 
 class NewestSentinel(Sentinel):
@@ -53,7 +56,8 @@ class NewestSentinel(Sentinel):
     its failover ends (``_promoted``). The answer is kept CACHE_S, so that a pool
     reconnecting all its connections asks once; a Sentinel that did not answer is left
     out for SKIP_S (unless no other names a primary), so that one on a lost machine does
-    not cost every reconnect a timeout."""
+    not cost every reconnect a timeout. Config epochs only grow: an answer older than one a
+    process took before is believed only when every Sentinel gives it (``_EPOCHS``)."""
 
     CACHE_S = 0.5
     SKIP_S = 10.0
@@ -97,13 +101,31 @@ class NewestSentinel(Sentinel):
         ]
         skipped = [i for i in range(len(self.sentinels)) if i not in fresh]
         errors: list[str] = []
+        key = (self._hosts, service_name)
+        seen = _EPOCHS.get(key, -1)
         best, newest = self._best_of(fresh, service_name, errors)
         if best is None and skipped:
             best, _ = self._best_of(skipped, service_name, errors, newest)
+        elif best is not None and best[0] < seen and skipped:
+            # the Sentinels asked have not heard of a failover this process has: a left-out
+            # one (the leader of it, stalled for a moment) may be the only one that has
+            errors.clear()
+            best, _ = self._best_of(list(range(len(self.sentinels))), service_name, errors)
         if best is None:
             raise MasterNotFoundError(
                 f"No master found for {service_name!r}" + (f" : {', '.join(errors)}" if errors else "")
             )
+        if best[0] < seen and errors:
+            # An older config's primary is taken only once every Sentinel answers with
+            # nothing newer (the set was reset, SENTINEL REMOVE and MONITOR): right after a
+            # failover the old primary, restarted empty and not yet made a replica, is up
+            # and says it is a primary, and the Sentinels that answer may not know better.
+            raise MasterNotFoundError(
+                f"No master found for {service_name!r}: the Sentinels that answer name a primary "
+                f"of config epoch {best[0]}, older than epoch {seen} seen before, and "
+                f"{len(errors)} do not answer: {', '.join(errors)}"
+            )
+        _EPOCHS[key] = best[0]
         return best[1], best[2]
 
     def _best_of(

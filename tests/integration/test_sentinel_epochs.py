@@ -13,6 +13,7 @@ import pytest
 import redis
 from redis.sentinel import Sentinel
 
+from rollstream.shared import redis_sentinel
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import find_redis_server
 from rollstream.shared.redis_sentinel import NewestSentinel
@@ -176,3 +177,43 @@ def test_a_sentinel_still_leading_a_failover_does_not_send_clients_to_the_old_pr
         assert _leading_with_old_primary_up(ha, old) is leader  # the failover had not ended meanwhile
     finally:
         ha.stop()
+
+
+def test_an_older_config_than_one_seen_is_not_taken_while_a_sentinel_does_not_answer(
+    disagreeing: tuple[Node, Node, Node, Node],
+) -> None:
+    """A process has followed the failover of epoch 3; the one Sentinel that knows of it
+    stops answering (its machine stalls), the other still names the old primary, up again
+    and empty: the client waits instead of going back to it. Once every Sentinel answers
+    with the older config (the set was reset), that config is the set's and is taken."""
+    old, new, lagging, current = disagreeing
+    hosts = [("127.0.0.1", current.port), ("127.0.0.1", lagging.port)]
+    first = NewestSentinel(hosts)
+    assert first.discover_master(SERVICE) == ("127.0.0.1", new.port)
+
+    def stalled() -> dict[str, Any]:
+        raise redis.TimeoutError("Timeout reading from socket")
+
+    second = NewestSentinel(hosts)  # the process's next client
+    for sentinel in (first, second):
+        sentinel.CACHE_S = 0.0
+        sentinel.sentinels[0].sentinel_masters = stalled  # type: ignore[method-assign]
+        for _ in range(2):  # asked afresh, then with the silent one left out
+            with pytest.raises(redis.sentinel.MasterNotFoundError, match="older than epoch 3 seen before"):
+                sentinel.discover_master(SERVICE)
+    # a process that never saw epoch 3 has nothing to hold it back
+    seen = dict(redis_sentinel._EPOCHS)
+    redis_sentinel._EPOCHS.clear()
+    assert second.discover_master(SERVICE) == ("127.0.0.1", old.port)
+    redis_sentinel._EPOCHS.update(seen)
+    # the set reset to the old primary: every Sentinel answers epoch 0, which is taken
+    client = current.client()
+    try:
+        client.execute_command("SENTINEL", "REMOVE", SERVICE)
+        client.execute_command("SENTINEL", "MONITOR", SERVICE, "127.0.0.1", old.port, 1)
+    finally:
+        client.close()
+    del first.sentinels[0].sentinel_masters  # answers again
+    first._failed_at.clear()
+    assert _epochs(current) == 0
+    assert first.discover_master(SERVICE) == ("127.0.0.1", old.port)
