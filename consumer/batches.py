@@ -34,6 +34,7 @@ from rollstream.shared.records import Group
 from rollstream.shared.replication import wait_for_replicas
 from rollstream.shared.runconfig import open_buffer, task_quota
 from rollstream.shared.settings import RedisSettings, Settings
+from rollstream.shared.streams import Entry, text
 
 POLL_MS = 100
 log = logging.getLogger(__name__)
@@ -118,11 +119,28 @@ class BatchReader:
                 log.exception("could not refresh the %d groups this trainer holds", len(held))
                 continue
             if lost:
-                log.warning(
-                    "%d groups read by %s were taken over by another trainer consumer: %s",
-                    len(lost), self.buffer.consumer, ", ".join(sorted(lost)[:8]),
-                )  # fmt: skip
+                taken = self._held_elsewhere([e for e in held if e.id in lost])
+                if taken:
+                    log.warning(
+                        "%d groups read by %s were taken over by another trainer consumer: %s",
+                        len(taken), self.buffer.consumer, ", ".join(sorted(taken)[:8]),
+                    )  # fmt: skip
                 self.buffer.release(e for e in held if e.id in lost)
+
+    def _held_elsewhere(self, entries: list[Entry]) -> list[str]:
+        """The ids of ``entries`` that another trainer-group consumer holds now. The rest
+        are acked: most often by a commit of this trainer that ended between the keeper's
+        look at what it holds and its touch (the commit forgets them a moment later)."""
+        taken = []
+        for entry in entries:
+            try:
+                pending = self.buffer.client.xpending_range(entry.stream, TRAINER, entry.id, entry.id, 1)
+            except redis.RedisError:
+                taken.append(entry.id)  # cannot tell: said, as before
+                continue
+            if pending and text(pending[0]["consumer"]) != self.buffer.consumer:
+                taken.append(entry.id)
+        return taken
 
     def close(self) -> None:
         """Stop refreshing the held groups (they become reclaimable after claim_idle_ms)."""
