@@ -6,6 +6,8 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
   weight_sync  bench/weight_sync.py (B3): publish -> all 4 producer processes on the step
   scale        bench/scale.py (B4): 1/2/4 producer processes, a simulated 64 x 64 fleet (Redis
                CPU per group against the 2-producer figure); memory over a long run
+  scale_equal_rate bench/scale_equal_rate.py (B4b): the same ratio with every producer at the
+               same engine-bound rate, as on a GPU cluster
   (soak)       bench/soak.py, `make soak`, not run here (a million groups, ~30+ min): its
                last soak.json is gathered when there is one
   summary      bench/summary.py: what the summary field of group entries costs
@@ -16,7 +18,7 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
                at 1 and 64 producers
   archive      bench/archive.py: what the rollout archive adds to a trainer's step (goal < 2 %)
 
-    .venv/bin/python bench/run_all.py            # ~20 min on 2 cores
+    .venv/bin/python bench/run_all.py            # ~26 min on 2 cores
     .venv/bin/python bench/run_all.py --quick    # ~2 min, smoke sizes
     .venv/bin/python bench/run_all.py --skip buffer scale
 """
@@ -40,6 +42,8 @@ BENCHES: dict[str, list[str]] = {
     # 1 / 2 / 4 producer processes, then a simulated fleet of 64 producers x 64 sim engines
     # (goal P7: Redis CPU per group within 1.2x of the 2-producer figure of the same run)
     "scale": ["--fleet", "64x64", "--window-s", "6"],
+    # P7 with every producer engine-bound at the same rate, 2 producers against 64 x 64
+    "scale_equal_rate": [],
     "durability": [],
     "summary": [],
     "learning": [],
@@ -152,6 +156,12 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             "redis_cpu_per_group_vs_2": scale.get("redis_cpu_per_group_vs_2"),
             "redis_busy": scale.get("redis_busy"),
             "sync_event_to_live_p99_ms": scale.get("sync_event_to_live_p99_ms"),
+        }
+    if equal := read_json(RESULTS / "scale_equal_rate.json"):
+        out["scale_equal_rate"] = {
+            "fleet": equal["fleet"],
+            "cpu_per_group_vs_2": equal["cpu_per_group_vs_2"],
+            "cpu_per_group_vs_2_max": equal["cpu_per_group_vs_2_max"],
         }
     if soak := read_json(RESULTS / "soak.json"):
         v = soak["verdict"]
@@ -317,6 +327,14 @@ def summary_table(r: dict[str, Any]) -> str:
                 "<= 1.2",
                 ratios[k] <= 1.2,
             )
+    if s := r.get("scale_equal_rate"):
+        add(
+            f"scale.redis_cpu_per_group {s['fleet']} / 2 producers, equal producer rates",
+            f"{s['cpu_per_group_vs_2_max']:.2f}",
+            "the highest of " + " ".join(f"{v:.2f}" for v in s["cpu_per_group_vs_2"]),
+            "<= 1.2",
+            s["cpu_per_group_vs_2_max"] <= 1.2,
+        )
     if s := r.get("soak"):
         add(
             "soak.memory (last / first third)",

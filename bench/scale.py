@@ -87,10 +87,12 @@ SETTINGS: dict[str, Any] = {
 def main() -> dict[str, Any]:
     args = parse_args()
     SETTINGS["rollout"]["sync_weights_interval"] = args.sync_interval
+    SETTINGS["engines"]["sim"]["time_compression"] = args.time_compression
     if args.fleet_poll_s is not None:
         FLEET_POLL_S.append(args.fleet_poll_s)
     print(
-        f"B4 scale: groups of n={N} (lengths median 32, cap 128), sim engines at 1000x, batches of {BATCH}, "
+        f"B4 scale: groups of n={N} (lengths median 32, cap 128), sim engines at {args.time_compression:g}x, "
+        f"batches of {BATCH}, "
         f"weight sync every {args.sync_interval} steps; feeder keeps {KEEP_AHEAD} prompts ahead"
     )
     with EmbeddedRedis() as server:
@@ -173,7 +175,7 @@ def env_of(settings: Settings, engines: int = 1) -> dict[str, str]:
         settings.run,
         tasks='[{"name": "math", "n": 2}]',
         engines__sim__median_tokens="32",
-        engines__sim__time_compression="1000",
+        engines__sim__time_compression=str(SETTINGS["engines"]["sim"]["time_compression"]),
         rollout__mode="async",
         rollout__batch_size=str(BATCH),
         rollout__max_staleness="1",
@@ -574,6 +576,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--sync-interval", type=int, default=INTERVAL, help="train steps between weight syncs"
+    )
+    parser.add_argument(
+        "--time-compression",
+        type=float,
+        default=1000.0,
+        help="the sim engines' (1000: every producer CPU-bound; ~0.5: engine-bound, each producer "
+        "at the same rate, as on a GPU cluster, where P7 compares what a producer costs Redis)",
     )
     parser.add_argument("--long-producers", type=int, default=2, help="0: no long run")
     parser.add_argument("--groups", type=int, default=200_000, help="long run: groups to train")
