@@ -10,7 +10,9 @@ import time
 from typing import Any, cast
 
 import redis
+from redis.backoff import NoBackoff
 from redis.connection import SSLConnection
+from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 
 from rollstream.shared import redisurl, telemetry
@@ -206,6 +208,10 @@ def sentinel_client(target: redisurl.MultiHostUrl, options: dict[str, Any]) -> r
     sentinel_options: dict[str, Any] = {
         "socket_timeout": min(options["socket_timeout"], 5.0),
         "socket_connect_timeout": min(options["socket_connect_timeout"], 5.0),
+        # each Sentinel asked once per look: NewestSentinel asks the others and leaves a
+        # silent one out, and the process's outage retry asks again. redis-py 8's default
+        # (10 retries) made one stalled Sentinel cost every look 11 timeouts
+        "retry": Retry(NoBackoff(), 0),
     }
     if "sentinel_password" in target.options:
         sentinel_options["password"] = target.options["sentinel_password"]

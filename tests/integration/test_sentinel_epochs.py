@@ -5,6 +5,8 @@ ports; the disagreement is set up with each Sentinel's own config file."""
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,3 +219,40 @@ def test_an_older_config_than_one_seen_is_not_taken_while_a_sentinel_does_not_an
     first._failed_at.clear()
     assert _epochs(current) == 0
     assert first.discover_master(SERVICE) == ("127.0.0.1", old.port)
+
+
+def test_a_sentinel_that_holds_the_line_silent_is_asked_once_per_look(
+    disagreeing: tuple[Node, Node, Node, Node],
+) -> None:
+    """A Sentinel whose machine stalls: it takes the connection and never answers. A look
+    asks it once and goes on with the others; redis-py 8's own retries (10, each after a
+    timeout) made every look of every process wait 11 timeouts on it."""
+    _, new, _, current = disagreeing
+    listener = socket.create_server(("127.0.0.1", 0))
+    silent_port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def take() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=take, daemon=True).start()
+    url = f"redis+sentinel://127.0.0.1:{silent_port},127.0.0.1:{current.port}/{SERVICE}/0"
+    client = connect(RedisSettings(url=url, socket_timeout_s=0.3), check=False)
+    try:
+        client.set("written", "here")
+        assert client.get("written") == b"here"
+    finally:
+        client.close()
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    plain = new.client()
+    try:
+        assert plain.get("written") == b"here"
+    finally:
+        plain.close()
+    assert len(accepted) == 1
