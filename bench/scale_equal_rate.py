@@ -10,11 +10,11 @@ GPU cluster every producer runs at the rate of its engines, whatever their numbe
 Here the sim engines are slowed (``--time-compression``) until every producer is
 engine-bound, one engine per producer in both setups, so each producer runs at the same
 rate (the table shows it), at one or more rates, the two setups interleaved. Besides Redis
-CPU per group and its ratio, the table gives the round trips per group that the producers
-make (claim scripts, settle gates, settle transactions, appends), 2 producers against the
-fleet: what more producers would multiply. A caveat the figures carry: at 2 producers'
-few groups/s Redis wakes up for nearly every command, and the trainer's and feeder's
-looks are spread over few groups; both weigh on the 2-producer figure, not the fleet's.
+CPU per group and its ratio, the table gives the round trips per group (scripts of claims,
+touches and commits, settle gates, settle transactions, appends), 2 producers against the
+fleet: what more producers would multiply. A caveat the figures carry: at 2 producers' few
+groups/s Redis wakes up for nearly every command, and the trainer's and feeder's looks are
+spread over few groups; both weigh on the 2-producer figure, not the fleet's.
 
     .venv/bin/python bench/scale_equal_rate.py                  # ~6 min on 2 cores
     .venv/bin/python bench/scale_equal_rate.py --quick          # ~1 min
@@ -39,7 +39,8 @@ def measure(url: str, setup: str, compression: float, warmup_s: float, window_s:
         producers = 2
     else:
         producers, engines = (int(x) for x in setup.split("x"))
-        r = scale.throughput(url, producers, warmup_s, window_s, 3, fleet=(4, producers, engines))
+        fleet = (min(4, producers), producers, engines)  # as bench/scale.py runs a fleet
+        r = scale.throughput(url, producers, warmup_s, window_s, 3, fleet=fleet)
         per_producer_engines = engines // producers
     cpu, busy = r["redis_cpu_ms_per_group"], r["redis_busy"]
     rate = busy / cpu * 1000 if cpu and busy else float("nan")  # groups/s over the same span as busy
@@ -62,7 +63,9 @@ def measure(url: str, setup: str, compression: float, warmup_s: float, window_s:
     return out
 
 
-ROUND_TRIPS = ("evalsha", "eval", "exec", "xadd")  # claims, settle gates, settles, appends
+# EVALSHA: claims, touches and the trainer's commits; EVAL: settle gates (and a few event
+# scripts); EXEC: settle transactions; XADD: appends (groups, metrics)
+ROUND_TRIPS = ("evalsha", "eval", "exec", "xadd")
 
 
 def main() -> dict[str, Any]:
