@@ -22,7 +22,7 @@ from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import FeederError, FormatError, RedisOutOfMemory
 from rollstream.shared.keys import GROUPS, PRODUCERS, TRAINER, Count, Keys, progress_field
 from rollstream.shared.runconfig import open_buffer
-from rollstream.shared.settings import load_settings
+from rollstream.shared.settings import Settings, load_settings
 from rollstream.shared.streams import SETTLE_RESENDS, text
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts, wait_for, wait_for_async, wait_idle
@@ -210,23 +210,33 @@ def test_a_trainer_takes_back_groups_whose_read_reply_was_lost(make) -> None:  #
     assert trainer.client.xpending(stream, TRAINER)["pending"] == 0
 
 
-def test_a_trainer_keeps_the_groups_it_holds_from_another_trainer_consumer(
-    redis_server: EmbeddedRedis, make_settings: SettingsFactory
-) -> None:
-    """A step (or a batch wait) longer than claim_idle_ms: the groups stay the holder's,
-    refreshed while it holds them, and the other trainer-group consumer takes none."""
-    settings = make_settings(
+def _holding_settings(redis_server: EmbeddedRedis, make_settings: SettingsFactory) -> Settings:
+    """Batches of 2 groups of one task, held past claim_idle_ms by a trainer's keeper."""
+    return make_settings(
         redis_server.url,
         tasks=[{"name": "math", "n": 4}],
         rollout={"batch_size": 2},
         buffer={"claim_idle_ms": HOLD_IDLE_MS, "max_attempts": 3, "block_ms": 100},
     )
+
+
+def _complete_groups(client: redis.Redis, settings: Settings, count: int) -> None:
+    """``count`` prompts fed, claimed and completed: ``count`` groups for the trainer."""
+    producer = open_buffer(client, settings, "p1")
+    producer.feed(prompts("math", count))
+    for claim in producer.claim("math", count, limit=100):
+        producer.complete(claim, group_for(claim.prompt))
+
+
+def test_a_trainer_keeps_the_groups_it_holds_from_another_trainer_consumer(
+    redis_server: EmbeddedRedis, make_settings: SettingsFactory
+) -> None:
+    """A step (or a batch wait) longer than claim_idle_ms: the groups stay the holder's,
+    refreshed while it holds them, and the other trainer-group consumer takes none."""
+    settings = _holding_settings(redis_server, make_settings)
     client = connect(settings.redis)
     try:
-        producer = open_buffer(client, settings, "p1")
-        producer.feed(prompts("math", 2))
-        for claim in producer.claim("math", 2, limit=100):
-            producer.complete(claim, group_for(claim.prompt))
+        _complete_groups(client, settings, 2)
         holder = BatchReader(client, settings, "trainer-a")
         other = open_buffer(client, settings, "trainer-b")
         batch = holder.get_batch(1, timeout_s=5.0)
@@ -254,19 +264,11 @@ def test_a_trainer_says_groups_were_taken_over_only_when_another_consumer_holds_
     from a commit of its own that ended between the keeper's look at what it holds and
     its touch (seen in a benchmark as a warning that another trainer had them): they are
     let go without a word. Only groups another consumer holds are said to be taken over."""
-    settings = make_settings(
-        redis_server.url,
-        tasks=[{"name": "math", "n": 4}],
-        rollout={"batch_size": 2},
-        buffer={"claim_idle_ms": HOLD_IDLE_MS, "max_attempts": 3, "block_ms": 100},
-    )
+    settings = _holding_settings(redis_server, make_settings)
     client = connect(settings.redis)
     stream = Keys(settings.run).groups("math")
     try:
-        producer = open_buffer(client, settings, "p1")
-        producer.feed(prompts("math", 4))
-        for claim in producer.claim("math", 4, limit=100):
-            producer.complete(claim, group_for(claim.prompt))
+        _complete_groups(client, settings, 4)
         holder = BatchReader(client, settings, "trainer-a")
         first = holder.get_batch(1, timeout_s=5.0)
         acked = [item.entry.id for item in first.batches["math"].items]
