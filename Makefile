@@ -4,6 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
+# build/static-tree: the package as links at its import paths, for pyright, jedi and other
+# static tools (tools/static_tree.py says why); remade when a folder of the package changes
+TREE := $(VENV)/.static-tree
+PACKAGE_DIRS := $(shell find rollstream shared producer consumer cli recipes -type d -not -name __pycache__)
 
 .PHONY: demo test test-all lint bench soak gpu-check run chaos clean
 
@@ -36,6 +40,10 @@ $(DEV): $(BASE)
 	    "prometheus-alertmanager): their tests are skipped, in CI they fail"
 	touch $(DEV)
 
+$(TREE): $(BASE) $(PACKAGE_DIRS)
+	$(PY) tools/static_tree.py
+	touch $@
+
 # The demo trains a model: it needs the hf extra (torch first, pinned, as above) and
 # matplotlib for its plot. `rollstream demo --sim` needs neither.
 $(VENV)/.installed-demo: $(BASE)
@@ -66,15 +74,15 @@ chaos: $(DEV)
 # It runs on TEST_WORKERS pytest-xdist workers (4 on a 2-core machine: most tests wait on the
 # processes they start); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 4
-test: $(DEV)
+test: $(DEV) $(TREE)
 	$(PY) -m pytest -m "not heavy" -n $(TEST_WORKERS)
 
-test-all: $(DEV)
+test-all: $(DEV) $(TREE)
 	$(PY) -m pytest
 
 # mypy through tools/typecheck.py: plain mypy does not follow pyproject.toml's package-dir
 # mapping (shared/ is rollstream.shared), the script hands mypy each file by its module name.
-lint: $(DEV)
+lint: $(DEV) $(TREE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) tools/typecheck.py -p chaos

@@ -19,41 +19,12 @@ from __future__ import annotations
 
 import os
 import sys
-import tomllib
-from pathlib import Path
 
 from mypy import build
 from mypy.errors import CompileError
 from mypy.main import process_options
 from mypy.modulefinder import BuildSource
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def package_dirs(root: Path = ROOT) -> dict[str, Path]:
-    """pyproject.toml's package-dir mapping: import package name -> folder."""
-    project = tomllib.loads((root / "pyproject.toml").read_text())
-    mapping = project["tool"]["setuptools"]["package-dir"]
-    return {package: root / folder for package, folder in mapping.items()}
-
-
-def mapped_modules(root: Path = ROOT) -> dict[str, Path]:
-    """Every module of the mapped folders, by the name it is imported by."""
-    dirs = package_dirs(root)
-    modules: dict[str, Path] = {}
-    for package, folder in dirs.items():
-        for path in sorted(folder.rglob("*.py")):
-            # a folder mapped on its own (rollstream.shared -> shared/) is listed once, by
-            # its own mapping, even where another mapping's folder holds it
-            holders = [p for p, d in dirs.items() if path.is_relative_to(d)]
-            owner = max(holders, key=lambda p: len(dirs[p].parts))
-            if owner != package:
-                continue
-            parts = path.relative_to(folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            modules[".".join((package, *parts))] = path
-    return modules
+from static_tree import mapped_modules
 
 
 def main(argv: list[str]) -> int:

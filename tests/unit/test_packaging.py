@@ -14,10 +14,12 @@ import re
 import site
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tomllib
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from tests.helpers import require
 
@@ -116,20 +118,57 @@ def test_package_dir_maps_each_part_and_the_script_points_into_it() -> None:
     assert project["project"]["scripts"]["rollstream"] == "rollstream.cli.main:entry"
 
 
-def test_the_type_check_sees_every_module_by_its_package_name() -> None:
-    # mypy does not follow package-dir: tools/typecheck.py hands it each file by name
-    require("mypy", "lint", load=False)
-    spec = importlib.util.spec_from_file_location("typecheck", ROOT / "tools" / "typecheck.py")
+def _static_tree() -> Any:
+    spec = importlib.util.spec_from_file_location("static_tree", ROOT / "tools" / "static_tree.py")
     assert spec is not None and spec.loader is not None
-    typecheck = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(typecheck)
-    modules = typecheck.mapped_modules()
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_type_check_sees_every_module_by_its_package_name() -> None:
+    # mypy does not follow package-dir: tools/typecheck.py hands it each file by name, from
+    # the mapping tools/static_tree.py reads
+    modules = _static_tree().mapped_modules()
     as_installed = {
         name.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py")
         for name, path in modules.items()
     }
     assert as_installed == _package_modules()
     assert modules["rollstream.shared.buffer"] == ROOT / "shared" / "buffer.py"
+
+
+def test_pyright_resolves_the_package_from_the_checkout(tmp_path: Path) -> None:
+    """No static tool runs setuptools' import hook: from the checkout, where rollstream/ holds
+    only __init__.py, pyright resolves the parts through the tree of links that `make` puts
+    on the environment's path (tools/static_tree.py), and still reports a module that is
+    not there."""
+    require("pyright", "lint", load=False)
+    pth = Path(sysconfig.get_paths()["purelib"]) / "rollstream-static-tree.pth"
+    assert pth.is_file(), "no static tree in this environment: run make (or python tools/static_tree.py)"
+    tree = Path(pth.read_text().strip())
+    assert (tree / "rollstream" / "shared" / "buffer.py").resolve() == ROOT / "shared" / "buffer.py"
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from rollstream.shared.buffer import ReplayBuffer\n"
+        "from rollstream.producer.engines.hf import HFEngine\n"
+        "import rollstream.consumer.batches as batches\n"
+        "import rollstream.shared.not_a_module\n"
+        "reveal_type(ReplayBuffer)\nreveal_type(HFEngine)\nreveal_type(batches.BatchReader)\n"
+    )
+    pyright = Path(sys.executable).with_name("pyright")
+    out = subprocess.run(
+        [str(pyright), "--pythonpath", sys.executable, str(probe)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = out.stdout + out.stderr
+    for name in ("type[ReplayBuffer]", "type[HFEngine]", "type[BatchReader]"):
+        assert f'is "{name}"' in text, text
+    unresolved = re.findall(r'Import "([\w.]+)" could not be resolved', text)
+    assert unresolved == ["rollstream.shared.not_a_module"], text
 
 
 def test_importing_everything_loads_no_top_level_part(tmp_path: Path) -> None:
