@@ -9,7 +9,8 @@ sys.path in place of the hook; but a python started in the checkout's root (pyte
 `python -m`) finds the checkout's `rollstream/` first and then none of the parts, which only
 the hook maps. So the install keeps the hook, and this adds what strict mode would: the tree
 (build/static-tree/rollstream/..., one link per module, rebuilt from scratch) and a .pth
-file naming it in the environment's site-packages, which pyright, jedi and mypy read.
+file naming it in the environment's site-packages, which pyright reads (jedi too,
+but with a project rooted at the checkout it stops at the checkout's rollstream/).
 
 At run time the tree is one more entry on sys.path: a python started outside the checkout
 imports the package through its links (the same files), and a module added after the tree
