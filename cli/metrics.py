@@ -31,7 +31,7 @@ def serve_run_metrics(settings: Settings, stop: threading.Event) -> int:
     tasks = [t.name for t in settings.tasks]
     # served here, required; the process wrapper's own serving finds it served already
     with (
-        telemetry.serving(settings, Role.METRICS, required=True) as port,
+        telemetry.serving(settings.metrics, settings.run, Role.METRICS, required=True) as port,
         running(settings, Role.METRICS, stop, port=port, tasks=",".join(tasks)) as process,
     ):
         if process is None:

@@ -189,7 +189,10 @@ def start_line(role: str, settings: Settings, **extra: Any) -> None:
 def running(settings: Settings, role: str, stop: threading.Event, **options: Any) -> Iterator[Process | None]:
     """The process's life around its work (``_running``), with its Prometheus metrics served
     meanwhile on metrics.port or $PORT (shared/telemetry.py); the same options."""
-    with telemetry.serving(settings, role), _running(settings, role, stop, **options) as process:
+    with (
+        telemetry.serving(settings.metrics, settings.run, role),
+        _running(settings, role, stop, **options) as process,
+    ):
         yield process
 
 

@@ -33,7 +33,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import MetricsSettings, Settings
+from rollstream.shared.settings import MetricsSettings
 
 log = logging.getLogger(__name__)
 
@@ -222,18 +222,20 @@ def metrics_port(
 
 
 @contextmanager
-def serving(settings: Settings, role: str, *, required: bool = False) -> Iterator[int | None]:
+def serving(
+    settings: MetricsSettings, run: str, role: str, *, required: bool = False
+) -> Iterator[int | None]:
     """Serve this process's metrics while the block runs; yields the port, or None when
     none is served. A port that cannot be bound is an error line and the process goes on
     without metrics: a run must not stop for its dashboard, nor a formation that a
     process manager started on ports that another one holds. ``required`` (the metrics
     process, which has nothing else to do): no port at all, or a taken one that
     metrics.port names explicitly, is a settings error."""
-    identify(settings.run, role)
+    identify(run, role)
     if _served:  # served already by an enclosing block of this process
         yield _served[-1]
         return
-    chosen = metrics_port(settings.metrics)
+    chosen = metrics_port(settings)
     if chosen is None:
         if required:
             raise SettingsError(
@@ -242,7 +244,7 @@ def serving(settings: Settings, role: str, *, required: bool = False) -> Iterato
         yield None
         return
     port, source = chosen
-    host = settings.metrics.host
+    host = settings.host
     try:
         server, thread = start_http_server(port, addr=host, registry=REGISTRY)
     except OSError as exc:

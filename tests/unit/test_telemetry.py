@@ -55,7 +55,7 @@ def _scrape(port: int) -> str:
 def test_a_process_serves_its_figures_labelled_with_run_and_role(make_settings: SettingsFactory) -> None:
     port = free_port()
     settings = make_settings(metrics={"port": port, "host": "127.0.0.1"})
-    with telemetry.serving(settings, "producer") as served:
+    with telemetry.serving(settings.metrics, settings.run, "producer") as served:
         assert served == port
         telemetry.group_finished("math", "completed", 4)
         telemetry.outage(2.5)
@@ -80,12 +80,15 @@ def test_a_taken_port_is_an_error_line_and_the_process_goes_on(
         taken.listen()
         port = taken.getsockname()[1]
         settings = make_settings(metrics={"port": port, "host": "127.0.0.1"})
-        with caplog.at_level(logging.ERROR), telemetry.serving(settings, "trainer") as served:
+        with (
+            caplog.at_level(logging.ERROR),
+            telemetry.serving(settings.metrics, settings.run, "trainer") as served,
+        ):
             assert served is None
         assert f"cannot serve metrics on 127.0.0.1:{port} (from metrics.port" in caplog.text
         with (
             pytest.raises(SettingsError, match=f"127.0.0.1:{port}"),
-            telemetry.serving(settings, "metrics", required=True),
+            telemetry.serving(settings.metrics, settings.run, "metrics", required=True),
         ):
             pass  # the metrics process, on a port named explicitly: an error
 
@@ -101,7 +104,7 @@ def test_a_taken_PORT_leaves_even_the_metrics_process_running(
         monkeypatch.setenv("PORT", str(taken.getsockname()[1]))
         with (
             caplog.at_level(logging.ERROR),
-            telemetry.serving(make_settings(), "metrics", required=True) as served,
+            telemetry.serving(make_settings().metrics, "run", "metrics", required=True) as served,
         ):
             assert served is None
     assert "(from $PORT)" in caplog.text and "going on without them" in caplog.text
