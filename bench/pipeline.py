@@ -46,6 +46,7 @@ from typing import Any, cast
 import redis
 from common import RESULTS, feed_prompts, pyplot, save_figure, show, spread, table, write_json
 
+from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.producer.engines.sim import SimEngine
@@ -252,12 +253,13 @@ class MeasuringTrainer(ReferenceTrainer):
     """The reference trainer, recording what each batch held before it trains on it."""
 
     def __init__(self, client: redis.Redis, settings: Settings, step_time_s: float) -> None:
-        super().__init__(client, settings, step_time_s, consumer="b2-trainer")
+        reader = create_reader(settings, client=client, consumer="b2-trainer")
+        super().__init__(reader, settings.rollout.sync_weights_interval, step_time_s)
         self.trained: list[TrainedStep] = []
 
     def train(self, batch: TrainBatch) -> float:
         step = TrainedStep()
-        bound = self.settings.rollout.stale_threshold
+        bound = self.reader.plan.stale_threshold
         for group in batch.groups:
             oldest = min(int(s.response_versions.min()) for s in group.samples if len(s.response_versions))
             step.violations += batch.train_step - oldest - 1 >= bound

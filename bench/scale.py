@@ -57,7 +57,8 @@ from common import (
     write_json,
 )
 
-from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.consumer.assembly import create_trainer
+from rollstream.consumer.trainer import StepLog
 from rollstream.producer.feeder import Feeder
 from rollstream.recipes.prompts import example_prompts
 from rollstream.shared.connection import connect
@@ -212,7 +213,7 @@ def run(
             open_buffer(client, settings, "feeder"), path, "math", epochs=epochs, keep_ahead=KEEP_AHEAD
         )
         feeding = threading.Thread(target=feeder.run, args=(stop,), daemon=True)
-        trainer = ReferenceTrainer(client, settings, step_time_s=0.0, consumer="b4-trainer")
+        trainer = create_trainer(settings, client=client, step_time_s=0.0, consumer="b4-trainer")
         memory_client = connect(settings.redis)
         groups = 0
         next_sample = 0.0

@@ -42,7 +42,8 @@ from typing import Any
 import redis
 from common import RESULTS, Producers, producer_env, used_memory, write_json
 
-from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.consumer.assembly import create_trainer
+from rollstream.consumer.trainer import StepLog
 from rollstream.producer.feeder import Feeder
 from rollstream.producer.worker import METRICS_CAP
 from rollstream.recipes.prompts import example_prompts
@@ -163,7 +164,7 @@ def soak(server: EmbeddedRedis, args: argparse.Namespace) -> dict[str, Any]:
         )
         feeding = threading.Thread(target=feeder.run, args=(stop,), daemon=True)
         feeding.start()
-        trainer = ReferenceTrainer(client, settings, step_time_s=0.0, consumer="soak-trainer")
+        trainer = create_trainer(settings, client=client, step_time_s=0.0, consumer="soak-trainer")
         with Producers(args.producers, env_of(tree)) as procs:
             watchdog = threading.Thread(target=_watch, args=(procs, stop, server), daemon=True)
             watchdog.start()

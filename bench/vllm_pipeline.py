@@ -75,6 +75,7 @@ from common import (
     write_json,
 )
 
+from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.producer.engines.base import Engine, SamplingParams
@@ -284,7 +285,8 @@ class CommittingTrainer(ReferenceTrainer):
     """The reference trainer (step time 0: read, commit, publish), counting what it trained."""
 
     def __init__(self, client: redis.Redis, settings: Settings, max_tokens: int) -> None:
-        super().__init__(client, settings, step_time_s=0.0, consumer="p5-trainer")
+        reader = create_reader(settings, client=client, consumer="p5-trainer")
+        super().__init__(reader, settings.rollout.sync_weights_interval, step_time_s=0.0)
         self.max_tokens = max_tokens
         self.counted: dict[int, Trained] = {}
 

@@ -56,8 +56,9 @@ def train(
     finishes and is committed. A second signal is a cold stop: the step ends at once,
     uncommitted, its groups left pending for this consumer name (its restart trains that
     step with them); exit 0 either way."""
+    from rollstream.consumer.assembly import create_coordinator, create_policy, create_trainer
     from rollstream.consumer.tracking import open_loggers
-    from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+    from rollstream.consumer.trainer import StepLog
 
     cold = cold_stop(stop)  # a second signal: see stop_on_signals
     held_out = None
@@ -74,12 +75,7 @@ def train(
 
     policy = None
     if hf_model:
-        from rollstream.consumer.pg import PolicyGradient
-
-        policy = PolicyGradient(
-            hf_model, weights_dir, lr=lr, device=settings.engines.hf.device, algorithm=settings.algorithm,
-            weights=settings.weights, run=settings.run,
-        )  # fmt: skip
+        policy = create_policy(settings, hf_model, weights_dir, lr=lr)
     last: dict[str, Any] = {}
     rollout = settings.rollout
     own = _read_trainer_record(state_file, settings.run) if state_file else None
@@ -96,14 +92,13 @@ def train(
             _check_trainer_record(process, own, str(state_file))
         evaluator = None
         if held_out:
-            from rollstream.consumer.coordinator import BatchCoordinator
             from rollstream.consumer.evaluation import EvalSet, Evaluator
 
             sampled = EvalSet("heldout", held_out)
-            coordinator = BatchCoordinator(process.client, settings, consumer=f"{consumer}-eval")
+            coordinator = create_coordinator(settings, client=process.client, consumer=f"{consumer}-eval")
             evaluator = Evaluator(coordinator, [sampled, sampled.greedy("greedy")], eval_every)
-        trainer = ReferenceTrainer(process.client, settings, step_time_s=step_time_s, consumer=consumer,
-                                   policy=policy, evaluator=evaluator)  # fmt: skip
+        trainer = create_trainer(settings, client=process.client, consumer=consumer, step_time_s=step_time_s,
+                                 policy=policy, evaluator=evaluator)  # fmt: skip
         if record:
             trainer.on_commit = _recorder(record)
         # per-step learning figures to TensorBoard and W&B (--log-to), under verl / TRL names

@@ -4,35 +4,39 @@ errors that appear in those signatures, so that a trainer imports from here only
 stream format underneath is docs/stream-format.md; a trainer in another language
 follows that instead.
 
-    from rollstream.consumer import BatchReader, connect, load_settings, publish_weights
+    from rollstream.consumer import create_reader, load_settings, publish_weights
 
     settings = load_settings()              # ROLLSTREAM_* variables, rollstream.toml
-    reader = BatchReader(connect(settings), settings)
+    reader = create_reader(settings)        # a BatchReader, connected to redis.url
     batch = reader.get_batch(step)          # this step's groups, stale ones expired
     ...                                     # the optimizer step
     batch.commit()                          # ack + delete, then train_step = step
     publish_weights(reader.control, step, uri)
 
-A trainer without a BatchReader publishes through ``control_for(client, settings)``.
+``create_reader``, ``create_coordinator``, ``connect`` and ``control_for`` are the
+doors that read the settings (consumer/assembly.py, the consumer side's composition
+root); the classes behind them take their parts. A trainer without a BatchReader
+publishes through ``control_for(client, settings)``.
 Its per-step learning figures go to TensorBoard or W&B as the reference trainer's do:
 ``open_loggers("tensorboard", logdir).log(step, step_figures(...))``.
 """
 
+from rollstream.consumer.assembly import (
+    Settings,
+    connect,
+    control_for,
+    create_coordinator,
+    create_reader,
+    load_settings,
+)
 from rollstream.consumer.batches import BatchReader, TrainBatch
 from rollstream.consumer.coordinator import BatchCoordinator
 from rollstream.consumer.tracking import Loggers, StepLogger, open_loggers, step_figures
-from rollstream.consumer.weights import (
-    SyncTimeout,
-    connect,
-    control_for,
-    publish_weights,
-    wait_for_producers,
-)
+from rollstream.consumer.weights import SyncTimeout, publish_weights, wait_for_producers
 from rollstream.shared.buffer import Batch
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
 from rollstream.shared.records import Group, Prompt, Sample
-from rollstream.shared.settings import Settings, load_settings
 
 __all__ = [
     "Batch",
@@ -50,6 +54,8 @@ __all__ = [
     "TrainBatch",
     "connect",
     "control_for",
+    "create_coordinator",
+    "create_reader",
     "load_settings",
     "open_loggers",
     "publish_weights",

@@ -26,7 +26,8 @@ restart reading the same batches.
 
 This module is the reading side: the sources, their consumer group, what is held until
 its files are in place, the acks, the lag. What an entry becomes is consumer/archive_rows.py;
-the Parquet files are consumer/archive_files.py.
+the Parquet files are consumer/archive_files.py. The archiver takes a client and an
+ArchivePlan of what it uses; consumer/assembly.py builds both from the settings.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from rollstream.shared import telemetry
 from rollstream.shared.errors import DecodeError, FormatError
 from rollstream.shared.keys import ARCHIVE, Count, Keys, progress_field
 from rollstream.shared.scripts import Scripts
-from rollstream.shared.settings import Settings
+from rollstream.shared.settings import ArchiveSettings
 from rollstream.shared.streams import text
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "SOURCE_TRAINED",
     "TRAINED",
     "UNTRAINED",
+    "ArchivePlan",
     "Archiver",
     "Read",
     "Source",
@@ -86,6 +88,21 @@ ARCHIVER_CONSUMER = "archiver"  # stable: a restarted archiver re-reads its own 
 LAG_CHECK_S = 5.0
 # the header of an expired group's record in the trained log (shared/buffer.py)
 EXPIRED_HEADER = ("fate", "source_id", "train_step", "trained_at", "trained_by", "reason")
+
+
+@dataclass(frozen=True, slots=True)
+class ArchivePlan:
+    """What the archiver and its loop use (consumer/assembly.py's ``archive_plan`` takes it
+    from the settings)."""
+
+    run: str
+    tasks: tuple[str, ...]  # the run's tasks: one trained log each
+    archive: ArchiveSettings
+    dead_maxlen: int  # buffer.dead_maxlen, named when its cap trimmed an entry unarchived
+    filtered_maxlen: int  # buffer.filtered_maxlen, likewise
+    block_ms: int  # buffer.block_ms: archive_run's reads block at most min(this, 1000 ms)
+    progress_s: float  # process.progress_s: archive_run's progress line
+    stop_timeout_s: float  # process.stop_timeout_s: archive_run's last writes take half of it
 
 
 @dataclass(slots=True)
@@ -120,23 +137,21 @@ class Archiver:
     """Reads the run's trained log, dead letters and filtered records through the consumer
     group ``archive`` and writes them to Parquet under ``archive.dir``, exactly once."""
 
-    def __init__(self, client: redis.Redis, settings: Settings, consumer: str = ARCHIVER_CONSUMER) -> None:
-        self.parts = PartFiles(Path(settings.archive.dir), consumer)
+    def __init__(self, client: redis.Redis, plan: ArchivePlan, consumer: str = ARCHIVER_CONSUMER) -> None:
+        self.parts = PartFiles(Path(plan.archive.dir), consumer)
         self.pa = self.parts.pa
         self.schema = self.parts.schema
         self.client = client
-        self.settings = settings
-        self.archive = settings.archive
-        self.keys = Keys(settings.run)
+        self.plan = plan
+        self.archive = plan.archive
+        self.keys = Keys(plan.run)
         self.consumer = consumer
         self.root = self.parts.root
         self.scripts = Scripts(client)
         self.sources = [
             *(
-                Source(
-                    SOURCE_TRAINED, self.keys.trained(t.name), TRAINED, self.keys.groups(t.name), task=t.name
-                )
-                for t in settings.tasks
+                Source(SOURCE_TRAINED, self.keys.trained(task), TRAINED, self.keys.groups(task), task=task)
+                for task in plan.tasks
             ),
             Source(SOURCE_DEAD, self.keys.dead, UNTRAINED),
             Source(SOURCE_FILTERED, self.keys.filtered, UNTRAINED),
@@ -196,9 +211,9 @@ class Archiver:
     def _cap(self, kind: str) -> str:
         """The setting, with its value, whose cap trims the stream of ``kind``."""
         if kind == SOURCE_DEAD:
-            return f"buffer.dead_maxlen {self.settings.buffer.dead_maxlen}"
+            return f"buffer.dead_maxlen {self.plan.dead_maxlen}"
         if kind == SOURCE_FILTERED:
-            return f"buffer.filtered_maxlen {self.settings.buffer.filtered_maxlen}"
+            return f"buffer.filtered_maxlen {self.plan.filtered_maxlen}"
         return f"archive.keep {self.archive.keep}"
 
     def _take(self, source: Source, entries: list[Any], *, recovered: bool) -> None:
@@ -229,7 +244,7 @@ class Archiver:
                 continue
             try:
                 partition, rows = entry_rows(
-                    self.settings.run, self.keys, source.kind, source.groups, entry_id, fields, payload
+                    self.plan.run, self.keys, source.kind, source.groups, entry_id, fields, payload
                 )
             except (DecodeError, FormatError) as exc:
                 partition, rows = self._undecodable(source, entry_id, payload, str(exc))
@@ -265,7 +280,7 @@ class Archiver:
             source.key,
             why,
         )
-        return undecodable_row(self.settings.run, self.keys, source.kind, source.key, entry_id, fields, why)
+        return undecodable_row(self.plan.run, self.keys, source.kind, source.key, entry_id, fields, why)
 
     # --- files ---------------------------------------------------------------------
 
@@ -357,14 +372,14 @@ class Archiver:
 
 def archive_run(
     client: redis.Redis,
-    settings: Settings,
+    plan: ArchivePlan,
     stop: threading.Event,
     consumer: str = ARCHIVER_CONSUMER,
     on_start: Callable[[Archiver], None] | None = None,
 ) -> Archiver:
     """The archiver's loop until ``stop``; then what the sources hold is read and written
     (the run's last step, when the run stopped), and the files closed."""
-    archiver = Archiver(client, settings, consumer)
+    archiver = Archiver(client, plan, consumer)
     archiver.check_dir()
     if on_start is not None:
         on_start(archiver)
@@ -372,11 +387,11 @@ def archive_run(
     if removed:
         log.info("archive: removed %d temporary files of a write that did not finish", removed)
     archiver.ensure()
-    block_ms = min(settings.buffer.block_ms, 1000)
+    block_ms = min(plan.block_ms, 1000)
     shown = time.monotonic()
     while not stop.is_set():
         archiver.step(block_ms)
-        if time.monotonic() - shown >= settings.process.progress_s:
+        if time.monotonic() - shown >= plan.progress_s:
             shown = time.monotonic()
             log.info(
                 "archive: %d trained rows, %d untrained rows in %d files under %s",
@@ -384,7 +399,7 @@ def archive_run(
             )  # fmt: skip
     # what the sources hold now is read and written before the exit (the run's last step,
     # when the run stopped), for at most half of process.stop_timeout_s
-    deadline = time.monotonic() + settings.process.stop_timeout_s / 2
+    deadline = time.monotonic() + plan.stop_timeout_s / 2
     while archiver.step(0) and time.monotonic() < deadline:
         pass
     archiver.flush()

@@ -14,6 +14,9 @@ With ``redis.wait_replicas`` N > 0 a batch is handed out only once N replicas ho
 reads that made it (a failover can then not forget that this trainer holds them, and
 deliver them again to be trained twice), and ``commit()`` returns only once N replicas
 hold the commit (shared/replication.py).
+
+A reader takes its parts (the replay buffer, the run's control) and a ReaderPlan of the
+numbers it uses; consumer/assembly.py builds them from the settings (``create_reader``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis
@@ -29,15 +33,27 @@ import redis
 from rollstream.shared.buffer import Batch, BatchItem, ReplayBuffer
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
-from rollstream.shared.keys import GROUPS, TRAINER, TRAINER_CONSUMER
+from rollstream.shared.keys import GROUPS, TRAINER
 from rollstream.shared.records import Group
 from rollstream.shared.replication import wait_for_replicas
-from rollstream.shared.runconfig import open_buffer, task_quota
-from rollstream.shared.settings import RedisSettings, Settings
+from rollstream.shared.settings import RedisSettings
 from rollstream.shared.streams import Entry, text
 
 POLL_MS = 100
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderPlan:
+    """What a BatchReader reads its batches by (consumer/assembly.py's ``reader_plan``
+    takes it from the settings)."""
+
+    quota: Mapping[str, int]  # the groups of each task in one train step
+    batch_size: int  # rollout.batch_size: a full batch, what min_wait_num defaults to
+    stale_threshold: int  # rollout.stale_threshold: a group this stale expires
+    drop_expired: bool  # rollout.tail_batch_trigger_size -1: expired groups dropped, not re-rolled
+    claim_idle_ms: int  # buffer.claim_idle_ms: the keeper touches held groups every third of it
+    redis: RedisSettings  # its wait_replicas: reads and commits wait for the replicas
 
 
 @dataclass(slots=True)
@@ -76,13 +92,14 @@ class TrainBatch:
 
 class BatchReader:
     """The trainer's side of the replay buffer. One per trainer process, with a stable
-    consumer name (a restarted trainer re-reads its own uncommitted groups)."""
+    consumer name, the buffer's (a restarted trainer re-reads its own uncommitted groups).
+    Built from the settings by ``rollstream.consumer.create_reader``."""
 
-    def __init__(self, client: redis.Redis, settings: Settings, consumer: str = TRAINER_CONSUMER) -> None:
-        self.settings = settings
-        self.buffer = open_buffer(client, settings, consumer)
-        self.control = RunControl(client, self.buffer.keys)
-        self.quota = task_quota(settings)
+    def __init__(self, buffer: ReplayBuffer, control: RunControl, plan: ReaderPlan) -> None:
+        self.buffer = buffer
+        self.control = control
+        self.plan = plan
+        self.quota = dict(plan.quota)
         self._carry: dict[str, list[BatchItem]] = {}
         self._keeper: threading.Thread | None = None
         self._keeper_lock = threading.Lock()
@@ -104,7 +121,7 @@ class BatchReader:
             self._keeper.start()
 
     def _touch_held(self) -> None:
-        interval_s = self.settings.buffer.claim_idle_ms / 3000
+        interval_s = self.plan.claim_idle_ms / 3000
         while not self._closed.wait(interval_s):
             held = self.buffer.held(GROUPS)
             if not held:
@@ -159,8 +176,8 @@ class BatchReader:
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         batches = {task: Batch(task) for task in self.quota}
-        result = TrainBatch(train_step, batches, _buffer=self.buffer, _redis=self.settings.redis)
-        threshold = self.settings.rollout.stale_threshold
+        result = TrainBatch(train_step, batches, _buffer=self.buffer, _redis=self.plan.redis)
+        threshold = self.plan.stale_threshold
         self.keep_fresh()
 
         def take(task: str, item: BatchItem) -> None:
@@ -192,7 +209,7 @@ class BatchReader:
                     got_any = True
                     take(task, item)
             if deadline is not None and time.monotonic() >= deadline:
-                wanted = self.settings.rollout.batch_size if min_wait_num is None else min_wait_num
+                wanted = self.plan.batch_size if min_wait_num is None else min_wait_num
                 if len(result) >= wanted and not self._forgotten(result, train_step):
                     break
                 got = ", ".join(f"{t} {len(b)}/{self.quota[t]}" for t, b in result.batches.items())
@@ -212,11 +229,11 @@ class BatchReader:
         then take out of the batch the groups that Redis no longer has pending for this
         trainer (a failover between a read and its replication forgot the read: another
         consumer would be given them again). True when some were taken out."""
-        if self.settings.redis.wait_replicas <= 0 or not len(result):
+        if self.plan.redis.wait_replicas <= 0 or not len(result):
             return False
         buffer = self.buffer
         wait_for_replicas(
-            buffer.client, buffer.keys, self.settings.redis, f"the reads of train step {train_step}"
+            buffer.client, buffer.keys, self.plan.redis, f"the reads of train step {train_step}"
         )
         forgotten = 0
         for task, batch in result.batches.items():
@@ -243,7 +260,7 @@ class BatchReader:
         return forgotten > 0
 
     def _expire(self, item: BatchItem, train_step: int = -1) -> None:
-        if self.settings.rollout.tail_batch_trigger_size == -1:
+        if self.plan.drop_expired:
             self.buffer.discard(item, train_step=train_step)
         else:
             self.buffer.expire(item, train_step=train_step)

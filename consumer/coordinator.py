@@ -30,6 +30,9 @@ over and finishes it (the groups the dead one had read come back to it after
 claim_idle_ms). A finalizer that finds its lease gone hands nothing over and
 returns the new owner's result. A caller waiting with a timeout raises
 BatchTimeout when no result came in time, whoever is finalizing.
+
+A coordinator takes its replay buffer (whose consumer name it reads under) and the run's
+task names; ``rollstream.consumer.create_coordinator`` builds one from the settings.
 """
 
 from __future__ import annotations
@@ -39,21 +42,20 @@ import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from enum import StrEnum
 from typing import Any
 
 import orjson
-import redis
 
 from rollstream.consumer.metrics import eval_metrics
 from rollstream.shared import codec
-from rollstream.shared.buffer import BATCH_META, Batch, BatchItem, default_consumer_name
+from rollstream.shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer, default_consumer_name
 from rollstream.shared.errors import BatchTimeout, DecodeError, ReplayBufferError
 from rollstream.shared.keys import EVALS, GROUP_OF_KIND, POOLS, PROMPTS, Count, progress_field
 from rollstream.shared.records import Group, Prompt, Status
-from rollstream.shared.runconfig import open_buffer
-from rollstream.shared.settings import Settings, validate_name
+from rollstream.shared.settings import validate_name
 
 POLL_S = 0.05
 LEASE_S = 10.0  # renewed every third of it; a dead finalizer's batch is taken over once it runs out
@@ -126,18 +128,16 @@ class BatchStatus(StrEnum):
 
 
 class BatchCoordinator:
-    def __init__(
-        self, client: redis.Redis, settings: Settings, consumer: str = "coordinator", lease_s: float = LEASE_S
-    ) -> None:
-        self.client: Any = client  # replies are bytes (no decode_responses)
-        self.settings = settings
-        self.buffer = open_buffer(client, settings, consumer)
+    def __init__(self, buffer: ReplayBuffer, tasks: Sequence[str], lease_s: float = LEASE_S) -> None:
+        self.client: Any = buffer.client  # replies are bytes (no decode_responses)
+        self.buffer = buffer
+        self.tasks = tuple(tasks)  # the run's task names: where results and prompts are looked for
         self.keys = self.buffer.keys
         self.lease_s = lease_s
-        self._transition = client.register_script(_TRANSITION)
-        self._begin = client.register_script(_BEGIN)
-        self._renew_script = client.register_script(_RENEW)
-        self._end = client.register_script(_END)
+        self._transition = self.client.register_script(_TRANSITION)
+        self._begin = self.client.register_script(_BEGIN)
+        self._renew_script = self.client.register_script(_RENEW)
+        self._end = self.client.register_script(_END)
         self._held: dict[str, list[BatchItem]] = {}  # train groups read for another batch
 
     # --- the API -----------------------------------------------------------------------
@@ -307,7 +307,7 @@ class BatchCoordinator:
                 out.append(codec.decode_group(fields))
             except DecodeError as exc:
                 dead = {**fields, "reason": str(exc), "source": stream}
-                cap = self.settings.buffer.dead_maxlen
+                cap = self.buffer.buffer_settings.dead_maxlen
                 self.client.xadd(self.keys.dead, dead, maxlen=cap, approximate=True)
                 self.client.xdel(stream, entry_id)
                 log.warning("eval result %s of batch %s dead-lettered: %s", entry_id, batch_id, exc)
@@ -317,8 +317,8 @@ class BatchCoordinator:
         """Every result of the batch so far."""
         if kind == "eval":
             return self._eval_results(batch_id)
-        for task in (t.name for t in self.settings.tasks):
-            batch = self.buffer.read_batch(task, self.settings.buffer.read_count)
+        for task in self.tasks:
+            batch = self.buffer.read_batch(task, self.buffer.buffer_settings.read_count)
             for item in batch.items:
                 owner = item.group.prompt.meta.get(BATCH_META)
                 if not isinstance(owner, str):
@@ -355,7 +355,7 @@ class BatchCoordinator:
         """Delete the batch's prompts that no producer has claimed yet."""
         prefix = f"{batch_id}/".encode()
         removed = 0
-        for task in (t.name for t in self.settings.tasks):
+        for task in self.tasks:
             for pool in (EVALS, *POOLS):
                 stream = self.keys.stream(pool, task)
                 pending = {
@@ -382,7 +382,7 @@ class BatchCoordinator:
     def _fed_sets(self, batch_id: str) -> list[str]:
         """The batch's fed sets: of the tasks its prompts had, and of the run's tasks."""
         raw = self.client.hget(self.keys.batch(batch_id), "tasks")
-        tasks = {t.name for t in self.settings.tasks}
+        tasks = set(self.tasks)
         if raw is not None:
             with contextlib.suppress(orjson.JSONDecodeError, TypeError):
                 tasks.update(str(t) for t in orjson.loads(raw))

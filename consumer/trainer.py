@@ -3,6 +3,9 @@ the demo. Its loop reads like slime's train.py: read the step's batch, train, co
 publish the weights, and every few steps evaluate on held-out prompts
 (consumer.evaluation). The training is a real policy-optimisation step of an hf model
 (consumer.pg.PolicyGradient) or, without one, a configurable step time.
+
+It takes its reader and the numbers it uses; consumer/assembly.py's ``create_trainer``
+builds one from the settings.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis
-
 from rollstream.consumer.batches import BatchReader, TrainBatch
 from rollstream.consumer.evaluation import Evaluator
 from rollstream.consumer.pg import PolicyGradient
@@ -23,8 +24,6 @@ from rollstream.consumer.tracking import step_figures
 from rollstream.consumer.weights import publish_weights
 from rollstream.shared import telemetry
 from rollstream.shared.errors import BatchTimeout
-from rollstream.shared.keys import TRAINER_CONSUMER
-from rollstream.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +57,14 @@ class TrainLog:
 class ReferenceTrainer:
     def __init__(
         self,
-        client: redis.Redis,
-        settings: Settings,
+        reader: BatchReader,
+        sync_weights_interval: int,
         step_time_s: float = 0.5,
-        consumer: str = TRAINER_CONSUMER,
         policy: PolicyGradient | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
-        self.settings = settings
-        self.reader = BatchReader(client, settings, consumer)
+        self.reader = reader  # its plan's batch_size is a full batch
+        self.sync_weights_interval = sync_weights_interval  # rollout.sync_weights_interval
         self.step_time_s = step_time_s
         self.policy = policy  # a real update of an hf model, else a step of step_time_s
         self.evaluator = evaluator  # eval batches every evaluator.every steps, on synced weights
@@ -105,7 +103,7 @@ class ReferenceTrainer:
         # train_step is the last committed step: a trainer stopped (or killed) before its
         # commit redoes that step number with the groups it had read, never skips it
         first = self.reader.control.train_step() + 1
-        interval = self.settings.rollout.sync_weights_interval
+        interval = self.sync_weights_interval
         self._publish_missed_sync(first - 1, interval)
         for step in range(first, first + steps):
             if stop is not None and stop.is_set():
@@ -161,7 +159,7 @@ class ReferenceTrainer:
 
     def _next_batch(self, step: int, stop: threading.Event | None) -> TrainBatch | None:
         """The full batch of ``step``, or None once ``stop`` is set while waiting for it."""
-        full = self.settings.rollout.batch_size
+        full = self.reader.plan.batch_size
         while stop is None or not stop.is_set():
             try:
                 return self.reader.get_batch(step, timeout_s=1.0, min_wait_num=full)

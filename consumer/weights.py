@@ -1,36 +1,19 @@
 """Weight syncs from the trainer side: publish a new model step, wait until every
 live producer runs on it. A trainer that reads no batches through BatchReader (its
 own reader of the stream format, a separate process that only publishes) gets its
-handle on the run from ``connect`` and ``control_for``."""
+handle on the run from ``connect`` and ``control_for`` (consumer/assembly.py, which
+read the settings)."""
 
 from __future__ import annotations
 
 import time
 
-import redis
-
-from rollstream.shared import connection
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.events import WEIGHT_SYNC, RunControl
-from rollstream.shared.keys import Keys
-from rollstream.shared.settings import Settings
 
 
 class SyncTimeout(RollstreamError):
     """Producers still on an older model step at the deadline."""
-
-
-def connect(settings: Settings) -> redis.Redis:
-    """A client for the run's Redis (``redis.url``) as rollstream's own processes use
-    it: checked once, riding out outages up to ``redis.outage_limit_s``, replies as
-    bytes (the stream's payloads are binary)."""
-    return connection.connect(settings.redis)
-
-
-def control_for(client: redis.Redis, settings: Settings) -> RunControl:
-    """The run's control handle (its state and events) for ``publish_weights`` and
-    ``wait_for_producers``; BatchReader has one as ``reader.control``."""
-    return RunControl(client, Keys(settings.run))
 
 
 def publish_weights(control: RunControl, model_step: int, uri: str | None = None) -> str:

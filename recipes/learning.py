@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.consumer.assembly import create_coordinator, create_trainer
 from rollstream.consumer.evaluation import EvalSet, Evaluator
 from rollstream.consumer.losses import AlgorithmConfig
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
@@ -261,10 +261,10 @@ def run_learning(
     policy = PolicyGradient(str(model_dir), str(work / run / "weights"), lr=lr, algorithm=recipe.algorithm)
     evaluator = None
     if eval_every > 0:
-        coordinator = BatchCoordinator(client, settings, consumer=f"{run}-eval")
+        coordinator = create_coordinator(settings, client=client, consumer=f"{run}-eval")
         evaluator = Evaluator(coordinator, eval_sets(held_out, eval_prompts), eval_every)
-    trainer = ReferenceTrainer(
-        client, settings, consumer=f"{run}-trainer", policy=policy, evaluator=evaluator
+    trainer = create_trainer(
+        settings, client=client, consumer=f"{run}-trainer", policy=policy, evaluator=evaluator
     )
     result = LearnResult(recipe.name, seed, settings, prompts_fed=fed)
     if stop is not None and stop.is_set():
@@ -325,7 +325,7 @@ async def _train(
     (while the producers still serve)."""
     from rollstream.producer.worker import Producer
 
-    settings, client = trainer.settings, trainer.reader.buffer.client
+    settings, client = result.settings, trainer.reader.buffer.client
     stop_producers = asyncio.Event()
     workers = [Producer(settings, client, pool, f"{settings.run}-producer-{i}") for i in range(producers)]
     running = [asyncio.create_task(p.run(stop_producers)) for p in workers]

@@ -121,25 +121,43 @@ end
 return 1
 """
 
-# KEYS: stream, progress hash
-# ARGV: group, consumer, progress field ('' = none), ids...
-# Acks and deletes the ids still pending for this consumer; returns the ids it did not own.
-COMMIT = (
-    _CHECK_COUNTER_FN
-    + """
-local owned, foreign = {}, {}
-for i = 4, #ARGV do
+
+def _commit_script(
+    first_id: int, *, prelude: str = "", log: str = "", delete: str = "", trim: str = "", reply: str
+) -> str:
+    """A commit script, from the body COMMIT and COMMIT_LOGGED share: the ids from ARGV
+    ``first_id`` on split into those still pending for this consumer (owned) and the
+    others (foreign); the progress field checked before any write; the owned acked and
+    counted. The Lua pieces: ``prelude`` after the checks and before any write; ``log``
+    before the XACK, ``delete`` after it and ``trim`` after the count, those three only
+    when some ids are owned; then ``reply`` is returned."""
+    return (
+        _CHECK_COUNTER_FN
+        + f"""
+local owned, foreign = {{}}, {{}}
+for i = {first_id}, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
   if #p == 0 then foreign[#foreign + 1] = ARGV[i] else owned[#owned + 1] = ARGV[i] end
 end
 check_counter(KEYS[2], ARGV[3])
-if #owned > 0 then
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
-  redis.call('XDEL', KEYS[1], unpack(owned))
-  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], #owned) end
-end
-return foreign
+{prelude}if #owned > 0 then
+{log}  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
+{delete}  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], #owned) end
+{trim}end
+return {reply}
 """
+    )
+
+
+# KEYS: stream, progress hash
+# ARGV: group, consumer, progress field ('' = none), ids...
+# Acks and deletes the ids still pending for this consumer; returns the ids it did not own.
+COMMIT = _commit_script(
+    4,
+    delete="""\
+  redis.call('XDEL', KEYS[1], unpack(owned))
+""",
+    reply="foreign",
 )
 
 # The fields of a trained-log entry (rs:{run}:trained:{task}): the id of the group in the
@@ -155,25 +173,20 @@ TRAINED_FIELDS = ("source_id", "train_step", "trained_at", "trained_by")
 # the reply). Copying the payload into the log instead costs ~7x a plain commit (the
 # entry's values become Lua strings, bench/archive.py); this costs nothing more.
 # Returns {foreign ids, the log's length, groups trimmed unarchived}.
-COMMIT_LOGGED = (
-    _CHECK_COUNTER_FN
-    + """
-local owned, foreign = {}, {}
-for i = 7, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
-  if #p == 0 then foreign[#foreign + 1] = ARGV[i] else owned[#owned + 1] = ARGV[i] end
-end
-check_counter(KEYS[2], ARGV[3])
+COMMIT_LOGGED = _commit_script(
+    7,
+    prelude="""\
 local t = redis.call('TYPE', KEYS[3]).ok
 if t ~= 'stream' and t ~= 'none' then error(KEYS[3] .. ' holds a ' .. t .. ', not a stream') end
 local trimmed = 0
-if #owned > 0 then
+""",
+    log="""\
   for _, id in ipairs(owned) do
     redis.call('XADD', KEYS[3], '*', 'source_id', id, 'train_step', ARGV[4], 'trained_at', ARGV[5],
                'trained_by', ARGV[2])
   end
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
-  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], #owned) end
+""",
+    trim="""\
   local over = redis.call('XLEN', KEYS[3]) - tonumber(ARGV[6])
   if over > 0 then
     for _, old in ipairs(redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', over)) do
@@ -185,9 +198,8 @@ if #owned > 0 then
       trimmed = trimmed + 1
     end
   end
-end
-return {foreign, redis.call('XLEN', KEYS[3]), trimmed}
-"""
+""",
+    reply="{foreign, redis.call('XLEN', KEYS[3]), trimmed}",
 )
 
 # KEYS: a trained log, its task's groups stream

@@ -31,7 +31,7 @@ from tests.helpers import group_for, prompts, require, rollstream, wait_for
 pa = require("pyarrow", "archive")
 pq = require("pyarrow.parquet", "archive")
 
-from rollstream.consumer.archive import Archiver, archive_run
+from rollstream.consumer.assembly import create_archiver, run_archiver
 
 pytestmark = pytest.mark.integration
 
@@ -119,7 +119,7 @@ def test_archive_writes_every_trained_group_once_with_its_lineage(
     trainer = real_buffer("trainer", **settings)
     ids = _produce_and_train(producer, trainer, "math", 3, step=2)
     ids += _produce_and_train(producer, trainer, "code", 2, step=3, start=10)
-    archiver = Archiver(trainer.client, tree(**settings))
+    archiver = create_archiver(tree(**settings), client=trainer.client)
     archiver.ensure()
     archiver.step(0)
     archiver.flush()
@@ -282,7 +282,7 @@ def test_entries_read_again_after_a_crash_between_rename_and_ack_are_not_written
     producer = real_buffer("p1", **settings)
     trainer = real_buffer("trainer", **settings)
     ids = _produce_and_train(producer, trainer, "math", 10, step=1)
-    first = Archiver(trainer.client, tree(**settings))
+    first = create_archiver(tree(**settings), client=trainer.client)
     first.ensure()
 
     class Killed(Exception):
@@ -298,7 +298,7 @@ def test_entries_read_again_after_a_crash_between_rename_and_ack_are_not_written
     root = tmp_path / "archive"
     assert len(list(root.rglob("*.parquet"))) == 1
     # the restarted archiver reads in batches of another size: its files are other ones
-    restarted = Archiver(trainer.client, tree(**_archive_settings(tmp_path, read_count=4)))
+    restarted = create_archiver(tree(**_archive_settings(tmp_path, read_count=4)), client=trainer.client)
     while restarted.step(0):
         pass
     restarted.flush()
@@ -330,7 +330,7 @@ def _archive_a_run(real_buffer: BufferFactory, tree: SettingsFactory, tmp_path: 
                 sample.reward = {"score": float(i), "judge": "test"}
             producer.complete(claim, group)
         assert trainer.commit(trainer.read_batch(task, len(batch)), step) == []
-    archiver = Archiver(trainer.client, tree(**settings))
+    archiver = create_archiver(tree(**settings), client=trainer.client)
     archiver.ensure()
     while archiver.step(0):
         pass
@@ -423,7 +423,7 @@ def test_expired_groups_are_archived_whole_with_their_reason(
     assert trainer.expire(batch.items[0], train_step=9) is not None  # re-rolled from the pool
     assert trainer.discard(batch.items[1], train_step=9)  # tail_batch_trigger_size -1: dropped
     assert trainer.client.xlen(trainer.keys.expired("math")) == 1
-    archiver = Archiver(trainer.client, tree(**settings))
+    archiver = create_archiver(tree(**settings), client=trainer.client)
     archiver.ensure()
     archiver.step(0)
     archiver.flush()
@@ -550,7 +550,7 @@ def test_an_agent_trajectory_keeps_its_loss_mask_and_turns(
     ]  # fmt: skip
     producer.complete(claim, Group.for_prompt(claim.prompt, samples=samples))
     assert trainer.commit(trainer.read_batch("math", 1), 1) == []
-    archiver = Archiver(trainer.client, tree(**settings))
+    archiver = create_archiver(tree(**settings), client=trainer.client)
     archiver.ensure()
     archiver.step(0)
     archiver.flush()
@@ -578,7 +578,7 @@ def test_an_archiver_beside_a_trainer_without_an_archive_says_so(
     monkeypatch.setattr(module, "LAG_CHECK_S", 0.0)
     producer = real_buffer("p1")
     trainer = real_buffer("trainer")  # archive.keep 0: no trained log
-    archiver = Archiver(trainer.client, tree(**_archive_settings(tmp_path)))
+    archiver = create_archiver(tree(**_archive_settings(tmp_path)), client=trainer.client)
     archiver.ensure()
     archiver.step(0)  # the first look: nothing to compare yet
     _produce_and_train(producer, trainer, "math", 2, step=1)
@@ -596,7 +596,7 @@ def test_an_archive_dir_that_cannot_be_written_is_named(
     archive = {"keep": 10, "dir": str(tmp_path / "file" / "archive")}
     settings = make_settings(redis_server.url, archive=archive)
     with pytest.raises(SettingsError, match=r"archive\.dir .*file/archive.*cannot be written"):
-        archive_run(real_client, settings, threading.Event())
+        run_archiver(settings, threading.Event(), client=real_client)
 
 
 def test_the_archive_works_on_redis_6_2(
@@ -608,7 +608,7 @@ def test_the_archive_works_on_redis_6_2(
     ids = _produce_and_train(producer, trainer, "math", 2, step=1)
     ids += _produce_and_train(producer, trainer, "math", 2, step=2, start=2)  # the cap deletes one
     assert trainer.client.xlen(trainer.keys.trained("math")) == 3
-    archiver = Archiver(trainer.client, settings)
+    archiver = create_archiver(settings, client=trainer.client)
     archiver.ensure()
     archiver.step(0)
     archiver.flush()
@@ -633,7 +633,7 @@ def test_files_roll_by_size_and_the_archiver_warns_of_its_lag(
     producer = real_buffer("p1", **settings)
     trainer = real_buffer("trainer", **settings)
     ids = _produce_and_train(producer, trainer, "math", 6, step=1)
-    archiver = Archiver(trainer.client, tree(**settings))
+    archiver = create_archiver(tree(**settings), client=trainer.client)
     archiver.ensure()
     archiver.step(0)  # 3 read (of 6 waiting: 6 >= 0.5 x 10), one file of them
     assert "6 trained groups in" in caplog.text and "of archive.keep 10" in caplog.text
@@ -654,7 +654,7 @@ def test_a_dead_letter_trimmed_by_its_cap_before_it_was_archived_names_that_cap(
     settings = {**_archive_settings(tmp_path), "buffer": {"dead_maxlen": 7}}
     trainer = real_buffer("trainer", **settings)
     trainer.ensure("math")
-    first = Archiver(trainer.client, tree(**settings))
+    first = create_archiver(tree(**settings), client=trainer.client)
     first.ensure()
     trainer.client.xadd(trainer.keys.dead, {"reason": "by hand", "source_id": "1-0"})
 
@@ -669,7 +669,7 @@ def test_a_dead_letter_trimmed_by_its_cap_before_it_was_archived_names_that_cap(
     with pytest.raises(Killed):
         first.flush()
     trainer.client.xtrim(trainer.keys.dead, maxlen=0)  # the cap trims it meanwhile
-    restarted = Archiver(trainer.client, tree(**settings))
+    restarted = create_archiver(tree(**settings), client=trainer.client)
     with caplog.at_level(logging.WARNING):
         while restarted.step(0):
             pass

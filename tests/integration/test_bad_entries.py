@@ -14,7 +14,7 @@ import orjson
 import pytest
 import redis
 
-from rollstream.consumer.batches import BatchReader
+from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.progress import ProduceProgress
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
@@ -281,7 +281,7 @@ def test_bad_groups_are_dead_lettered_and_the_trainer_batch_fills_with_good_ones
         add(groups, {**good, b"meta": b"[]"}): "meta is [], not a JSON object",
     }
     produce(producer, 1, start=1)
-    reader = BatchReader(client, settings)
+    reader = create_reader(settings, client=client)
 
     batch = reader.get_batch(1, timeout_s=10)
 
@@ -307,7 +307,7 @@ def test_a_restarted_trainer_dead_letters_a_bad_pending_group_and_keeps_the_good
     open_buffer(client, settings, "trainer").ensure("math")
     client.xreadgroup(TRAINER, "trainer", {groups: ">"}, count=10)  # read, then the crash
 
-    batch = BatchReader(client, settings).get_batch(1, timeout_s=10)
+    batch = create_reader(settings, client=client).get_batch(1, timeout_s=10)
 
     assert sorted(g.prompt.uid for g in batch.groups) == ["u0", "u1"]
     dead = dead_letters(client, producer.keys)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.consumer.assembly import create_coordinator
 from rollstream.shared import codec
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
@@ -47,7 +47,7 @@ def test_an_undecodable_eval_result_is_dead_lettered_and_the_rest_kept(
 ) -> None:
     settings = make_settings(redis_server.url)
     client = redis.Redis.from_url(redis_server.url)
-    coordinator = BatchCoordinator(client, settings)
+    coordinator = create_coordinator(settings, client=client)
     keys = coordinator.keys
     (prompt,) = prompts("math", 1)
     client.xadd(keys.eval("b1"), codec.encode_group(group_for(prompt)))  # type: ignore[arg-type]

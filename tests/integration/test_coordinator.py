@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import redis
 
+from rollstream.consumer.assembly import create_coordinator
 from rollstream.consumer.coordinator import BatchCoordinator
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
@@ -112,7 +113,7 @@ def producing(start_producer: Callable[[], BackgroundProducer]) -> Settings:
 
 
 def coordinator(server: EmbeddedRedis, settings: Settings) -> BatchCoordinator:
-    return BatchCoordinator(redis.Redis.from_url(server.url), settings)
+    return create_coordinator(settings, client=redis.Redis.from_url(server.url))
 
 
 def test_train_batch_lifecycle(redis_server: EmbeddedRedis, producing: Settings) -> None:

@@ -11,6 +11,7 @@ import orjson
 import pytest
 import redis
 
+from rollstream.consumer.assembly import create_coordinator
 from rollstream.consumer.coordinator import BatchCoordinator
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import BatchTimeout
@@ -29,7 +30,7 @@ def settings(redis_server: EmbeddedRedis, make_settings: SettingsFactory) -> Set
 
 
 def coordinator(server: EmbeddedRedis, settings: Settings, name: str, **kwargs: Any) -> BatchCoordinator:
-    return BatchCoordinator(redis.Redis.from_url(server.url), settings, name, **kwargs)
+    return create_coordinator(settings, client=redis.Redis.from_url(server.url), consumer=name, **kwargs)
 
 
 def finish(client: redis.Redis, settings: Settings, count: int) -> None:

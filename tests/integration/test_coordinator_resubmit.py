@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.keys import Keys
-from rollstream.shared.runconfig import open_buffer
 from tests.helpers import group_for, prompts
 from tests.integration.test_coordinator import coordinator, coordinator_settings
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 def produce(coord: BatchCoordinator, count: int) -> None:
     """A producer by hand: ``count`` prompts claimed and their groups completed."""
-    worker = open_buffer(coord.client, coord.settings, "hand")
+    worker = ReplayBuffer(coord.client, coord.keys, coord.buffer.buffer_settings, "hand")
     claims = worker.claim("math", count)
     assert len(claims) == count
     for claim in claims:

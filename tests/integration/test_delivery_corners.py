@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from rollstream.consumer.batches import BatchReader
+from rollstream.consumer.assembly import create_reader
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
 from rollstream.shared import codec
@@ -237,7 +237,7 @@ def test_a_trainer_keeps_the_groups_it_holds_from_another_trainer_consumer(
     client = connect(settings.redis)
     try:
         _complete_groups(client, settings, 2)
-        holder = BatchReader(client, settings, "trainer-a")
+        holder = create_reader(settings, client=client, consumer="trainer-a")
         other = open_buffer(client, settings, "trainer-b")
         batch = holder.get_batch(1, timeout_s=5.0)
         assert len(batch) == 2
@@ -269,7 +269,7 @@ def test_a_trainer_says_groups_were_taken_over_only_when_another_consumer_holds_
     stream = Keys(settings.run).groups("math")
     try:
         _complete_groups(client, settings, 4)
-        holder = BatchReader(client, settings, "trainer-a")
+        holder = create_reader(settings, client=client, consumer="trainer-a")
         first = holder.get_batch(1, timeout_s=5.0)
         acked = [item.entry.id for item in first.batches["math"].items]
         client.xack(stream, TRAINER, *acked)  # a commit done in Redis, not yet forgotten here

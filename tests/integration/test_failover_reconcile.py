@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from rollstream.consumer.assembly import create_trainer
 from rollstream.consumer.batches import TrainBatch
-from rollstream.consumer.trainer import ReferenceTrainer, TrainLog
+from rollstream.consumer.trainer import TrainLog
 from rollstream.consumer.weights import publish_weights
 from rollstream.producer.feeder import Feeder
 from rollstream.shared.buffer import ReplayBuffer
@@ -97,7 +98,7 @@ def test_a_failover_that_loses_the_last_writes_is_reconciled(
     keys = Keys(run_name)
     producer = open_buffer(connect(settings.redis), settings, "p")
     producer.feed(prompts("math", FED - 2))
-    trainer = ReferenceTrainer(connect(settings.redis), settings, step_time_s=0.05, consumer="trainer")
+    trainer = create_trainer(settings, client=connect(settings.redis), step_time_s=0.05, consumer="trainer")
     reads: dict[int, list[str]] = {}
     committed: list[tuple[int, list[str]]] = []  # each commit the trainer saw succeed
 
@@ -204,7 +205,7 @@ def test_a_weight_sync_an_operator_rolled_back_is_not_published_again(
     """The trainer publishes a lost weight sync again only when its event is gone too: a
     model_step set lower by `rollstream steps --model-step N --yes` leaves it in place."""
     settings = load_settings(run=run_name, redis={"url": redis_server.url}, tasks=[{"name": "math", "n": 2}])
-    trainer = ReferenceTrainer(connect(settings.redis), settings, step_time_s=0)
+    trainer = create_trainer(settings, client=connect(settings.redis), step_time_s=0)
     control = trainer.reader.control
     try:
         trainer._published = (2, None, publish_weights(control, 2))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rollstream.consumer.batches import BatchReader
+from rollstream.consumer.assembly import create_reader
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.keys import GROUPS, TRAINER, Keys
@@ -33,7 +33,7 @@ def test_the_keeper_goes_on_after_an_unexpected_error_and_keeps_the_groups(
         buffer={"claim_idle_ms": IDLE_MS, "max_attempts": 3, "block_ms": 100},
     )
     client = connect(settings.redis)
-    holder = BatchReader(client, settings, "trainer-a")
+    holder = create_reader(settings, client=client, consumer="trainer-a")
     try:
         producer = open_buffer(client, settings, "p1")
         producer.feed(prompts("math", 2))

@@ -15,11 +15,11 @@ import pytest
 import redis
 
 from rollstream.consumer import (
-    BatchReader,
     BatchTimeout,
     Group,
     connect,
     control_for,
+    create_reader,
     load_settings,
     publish_weights,
     wait_for_producers,
@@ -68,7 +68,7 @@ def test_a_run_with_a_plugin_engine_judge_and_filter(redis_server: EmbeddedRedis
 
     # the trainer: public names only
     client = connect(settings)
-    reader = BatchReader(client, settings)
+    reader = create_reader(settings, client=client)
     trained: dict[int, list[Group]] = {}
     try:
         for step in (1, 2):

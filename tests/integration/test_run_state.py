@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from rollstream.cli.main import main
-from rollstream.consumer.batches import BatchReader
+from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.weights import publish_weights, wait_for_producers
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
@@ -116,7 +116,7 @@ def test_a_group_of_empty_responses_has_the_step_it_was_made_at(
     assert producer.stats.outcomes == {"completed": 2}
     # the trainer's step 4 trains groups made on step 3: not stale (with -1 they would be,
     # at every step past the threshold, and be re-rolled for ever)
-    batch = BatchReader(redis.Redis.from_url(redis_server.url), settings).get_batch(4, timeout_s=10)
+    batch = create_reader(settings, client=redis.Redis.from_url(redis_server.url)).get_batch(4, timeout_s=10)
     assert [g.model_step for g in batch.groups] == [3, 3]
     assert all(s.response_ids.size == 0 for g in batch.groups for s in g.samples)
     assert batch.expired == 0

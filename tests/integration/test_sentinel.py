@@ -21,7 +21,8 @@ import orjson
 import pytest
 import redis
 
-from rollstream.consumer.batches import BatchReader, TrainBatch
+from rollstream.consumer.assembly import create_reader
+from rollstream.consumer.batches import TrainBatch
 from rollstream.shared.connection import connect
 from rollstream.shared.errors import RedisUnavailable
 from rollstream.shared.keys import TRAINER, Keys
@@ -135,7 +136,7 @@ def test_a_batch_is_handed_out_only_once_a_replica_holds_its_reads(
         producer.complete(claim, group_for(claim.prompt))
     wait_for(lambda: sentinels.replicas_in_sync(1) and _offsets_equal(sentinels.primary()), timeout=10)
     sentinels.hold_replication()
-    reader = BatchReader(connect(settings.redis), settings, "trainer")
+    reader = create_reader(settings, client=connect(settings.redis), consumer="trainer")
     got: list[TrainBatch] = []
     with caplog.at_level(logging.INFO):
         thread = threading.Thread(target=lambda: got.append(reader.get_batch(1, timeout_s=90)))

@@ -10,7 +10,7 @@ import threading
 import pytest
 import redis
 
-from rollstream.consumer.coordinator import BatchCoordinator
+from rollstream.consumer.assembly import create_coordinator
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
 from rollstream.shared.embedded import EmbeddedRedis
@@ -58,7 +58,7 @@ def test_a_producer_with_its_sync_batch_done_serves_an_eval_batch(
     thread.start()
     try:
         wait_for(lambda: buffer.accepted("math") >= 4, timeout=30)  # step 1's batch: the producer stops
-        coordinator = BatchCoordinator(client, settings)
+        coordinator = create_coordinator(settings, client=client)
         coordinator.submit_batch("ev", prompts("math", 3, start=100), kind="eval")
         result = coordinator.finalize_eval_batch("ev", timeout=30)
         assert result["finished_task_count"] == 3

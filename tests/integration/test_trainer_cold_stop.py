@@ -16,7 +16,7 @@ import orjson
 import pytest
 import redis
 
-from rollstream.consumer.trainer import ReferenceTrainer
+from rollstream.consumer.assembly import create_trainer
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
@@ -58,7 +58,7 @@ def test_a_cold_stop_ends_the_step_in_training_uncommitted(
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
     produced = produce(open_buffer(client, settings, "p"), 2)
-    trainer = ReferenceTrainer(client, settings, step_time_s=WARM_STEP_S, consumer="trainer")
+    trainer = create_trainer(settings, client=client, step_time_s=WARM_STEP_S, consumer="trainer")
     stop, cold = threading.Event(), threading.Event()
     result: list[object] = []
     runner = threading.Thread(target=lambda: result.append(trainer.run(1, stop=stop, cold=cold)), daemon=True)
@@ -77,7 +77,7 @@ def test_a_cold_stop_ends_the_step_in_training_uncommitted(
     assert RunControl(client, Keys(run_name)).train_step() == 0
     # and the groups stay pending for its consumer name, for its restart
     assert trainer_pending(client, run_name) == 2
-    again = ReferenceTrainer(client, settings, step_time_s=0, consumer="trainer").run(1)
+    again = create_trainer(settings, client=client, step_time_s=0, consumer="trainer").run(1)
     assert [(s.step, s.groups) for s in again.steps] == [(1, 2)]
     assert trainer_pending(client, run_name) == 0
     assert len(produced) == 2

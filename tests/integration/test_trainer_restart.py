@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from rollstream.consumer.batches import BatchReader
-from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.consumer.assembly import create_reader, create_trainer
+from rollstream.consumer.trainer import StepLog
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
@@ -49,13 +49,13 @@ def test_a_trainer_that_died_before_its_commit_redoes_the_same_step(
     client = redis.Redis.from_url(redis_server.url)
     first = produce(open_buffer(client, settings, "p"), 2, step=0, start=0)
     # Given a trainer that read the batch of step 1 and died before its commit
-    doomed = BatchReader(client, settings, "trainer")
+    doomed = create_reader(settings, client=client, consumer="trainer")
     assert sorted(g.group_id for g in doomed.get_batch(1, timeout_s=5).groups) == sorted(first)
     control = RunControl(client, Keys(run_name))
     assert control.train_step() == 0  # nothing committed, nothing recorded
     # When the trainer restarts under the same consumer name
     steps: list[StepLog] = []
-    log = ReferenceTrainer(client, settings, step_time_s=0, consumer="trainer").run(1, steps.append)
+    log = create_trainer(settings, client=client, step_time_s=0, consumer="trainer").run(1, steps.append)
     # Then it trains step 1 again, on the same groups, at staleness 0, and commits it
     assert [s.step for s in log.steps] == [1]
     assert steps[0].groups == 2 and steps[0].expired == 0 and steps[0].staleness == {0: 2}
@@ -63,7 +63,7 @@ def test_a_trainer_that_died_before_its_commit_redoes_the_same_step(
     assert client.xpending(Keys(run_name).groups("math"), TRAINER)["pending"] == 0
     # and the run goes on: groups made on the new weights are trained at step 2
     produce(open_buffer(client, settings, "p"), 2, step=1, start=2)
-    log = ReferenceTrainer(client, settings, step_time_s=0, consumer="trainer").run(1)
+    log = create_trainer(settings, client=client, step_time_s=0, consumer="trainer").run(1)
     assert [(s.step, s.expired) for s in log.steps] == [(2, 0)]
 
 
@@ -122,11 +122,11 @@ def test_a_trainer_that_died_between_commit_and_weight_sync_publishes_it_on_rest
     control = RunControl(client, Keys(run_name))
     # Given step 1 committed, and its weight sync never published
     produce(open_buffer(client, settings, "p"), 2, step=0, start=0)
-    BatchReader(client, settings, "trainer").get_batch(1, timeout_s=5).commit()
+    create_reader(settings, client=client, consumer="trainer").get_batch(1, timeout_s=5).commit()
     assert (control.train_step(), control.model_step()) == (1, 0)
     # When the trainer restarts, Then it publishes step 1 before it waits for step 2
     produce(open_buffer(client, settings, "p"), 2, step=1, start=2)
-    log = ReferenceTrainer(client, settings, step_time_s=0, consumer="trainer").run(1)
+    log = create_trainer(settings, client=client, step_time_s=0, consumer="trainer").run(1)
     assert [(s.step, s.expired) for s in log.steps] == [(2, 0)]
     events = [f[b"model_step"] for _, f in client.xrange(Keys(run_name).events)]
     assert events == [b"1", b"2"]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from rollstream.consumer.batches import BatchReader
+from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.progress import ProduceProgress
 from rollstream.consumer.weights import SyncTimeout, publish_weights, wait_for_producers
 from rollstream.producer.pool import LocalPool
@@ -59,7 +59,7 @@ def test_expiry_at_the_exact_boundary(
     client = redis.Redis.from_url(redis_server.url)
     producer = open_buffer(client, settings, "p")
     produce_at(producer, [expired, kept, kept])
-    reader = BatchReader(client, settings)
+    reader = create_reader(settings, client=client)
     batch = reader.get_batch(train_step)
     threshold = 2 * interval
     assert [train_step - g.model_step - 1 for g in batch.groups] == [threshold - 1, threshold - 1]
@@ -72,7 +72,7 @@ def test_tail_batch_minus_one_drops_expired_groups(redis_server: EmbeddedRedis, 
     settings = settings_for(redis_server, run_name, max_staleness=0, tail_batch_trigger_size=-1)
     client = redis.Redis.from_url(redis_server.url)
     produce_at(open_buffer(client, settings, "p"), [0, 3, 3])
-    batch = BatchReader(client, settings).get_batch(4)
+    batch = create_reader(settings, client=client).get_batch(4)
     assert batch.expired == 1 and len(batch) == 2
     keys = open_buffer(client, settings).keys
     assert client.xlen(keys.expired("math")) == 0
@@ -86,7 +86,7 @@ def test_tail_batch_modes_decide_when_producers_take_the_expired_pool_first(
     settings = settings_for(redis_server, run_name, max_staleness=0, tail_batch_trigger_size=trigger)
     client = redis.Redis.from_url(redis_server.url)
     produce_at(open_buffer(client, settings, "p"), [0] * waiting + [9, 9])
-    reader = BatchReader(client, settings)
+    reader = create_reader(settings, client=client)
     assert reader.get_batch(10).expired == waiting
     producer = Producer(settings, client, LocalPool([]), "probe")
     assert producer._expired_first("math") is first
@@ -114,7 +114,7 @@ def test_a_trainer_killed_before_commit_gets_the_same_groups_again(
         wait_for(lambda: client.xpending(keys.groups("math"), "trainer")["pending"] == 2, timeout=60)
         trainer.send_signal(signal.SIGKILL)  # in the middle of its train step
         trainer.wait()
-    restarted = BatchReader(client, settings)
+    restarted = create_reader(settings, client=client)
     again = restarted.get_batch(1)
     assert [g.group_id for g in again.groups] == ids[:2]
     assert again.commit() == []
@@ -131,7 +131,7 @@ def test_progress_checkpoint_round_trip_never_goes_backwards(
     settings = settings_for(redis_server, run_name)
     client = redis.Redis.from_url(redis_server.url)
     produce_at(open_buffer(client, settings, "p"), [0, 0, 0])
-    reader = BatchReader(client, settings)
+    reader = create_reader(settings, client=client)
     reader.get_batch(1).commit()
     progress = ProduceProgress(client, Keys(settings.run), task_quota(settings))
     saved = progress.state_dict()
@@ -171,10 +171,10 @@ def test_a_batch_timeout_returns_partial_only_above_min_wait_num(
     settings = settings_for(redis_server, run_name, batch_size=4)
     client = redis.Redis.from_url(redis_server.url)
     produce_at(open_buffer(client, settings, "p"), [0, 0])
-    reader = BatchReader(client, settings)
+    reader = create_reader(settings, client=client)
     with pytest.raises(BatchTimeout, match=r"2 groups after 0.3 s, fewer than min_wait_num 3 \(math 2/4"):
         reader.get_batch(1, timeout_s=0.3, min_wait_num=3)
-    partial = BatchReader(client, settings).get_batch(1, timeout_s=0.3, min_wait_num=2)
+    partial = create_reader(settings, client=client).get_batch(1, timeout_s=0.3, min_wait_num=2)
     assert len(partial) == 2
 
 
@@ -211,7 +211,7 @@ def test_groups_read_before_a_batch_timeout_are_not_stranded(
     client = redis.Redis.from_url(redis_server.url)
     producer = open_buffer(client, settings, "p")
     first = produce_at(producer, [0, 0])
-    reader = BatchReader(client, settings)
+    reader = create_reader(settings, client=client)
     with pytest.raises(BatchTimeout):
         reader.get_batch(1, timeout_s=0.2)
     second = produce_at(producer, [0, 0])
@@ -226,11 +226,11 @@ def test_the_reference_trainer_stops_while_it_waits_for_data(
 ) -> None:
     import threading
 
-    from rollstream.consumer.trainer import ReferenceTrainer
+    from rollstream.consumer.assembly import create_trainer
 
     settings = settings_for(redis_server, run_name)
     client = redis.Redis.from_url(redis_server.url)
-    trainer = ReferenceTrainer(client, settings, step_time_s=0)
+    trainer = create_trainer(settings, client=client, step_time_s=0)
     stop = threading.Event()
     logs: list[Any] = []
     thread = threading.Thread(target=lambda: logs.append(trainer.run(5, stop=stop)))

@@ -250,3 +250,22 @@ def test_no_module_outside_bench_and_tests_is_over_500_lines() -> None:
         and (lines := len(path.read_text().splitlines())) > 500
     }
     assert _sources() and not long, long
+
+
+def test_under_consumer_only_the_composition_root_imports_the_settings_tree() -> None:
+    # issue 33: BatchReader, ReferenceTrainer, Archiver, BatchCoordinator take parts and
+    # plans; consumer/assembly.py reads the tree (consumer/__init__.py re-exports its doors)
+    allowed = {"assembly.py", "__init__.py"}
+    offenders = []
+    for path in sorted((ROOT / "consumer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "rollstream.shared.settings"
+                and any(alias.name == "Settings" for alias in node.names)
+                and path.name not in allowed
+            ):
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
+    init = (ROOT / "consumer" / "__init__.py").read_text()
+    assert "from rollstream.shared.settings import" not in init  # through the assembly

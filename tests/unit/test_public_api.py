@@ -26,8 +26,8 @@ PUBLIC: dict[str, list[str]] = {
     "rollstream.consumer": [
         "Batch", "BatchCoordinator", "BatchReader", "BatchTimeout", "Group", "Loggers", "Prompt",
         "RunControl", "Sample", "Settings", "StepLogger", "SyncTimeout", "TrainBatch", "connect",
-        "control_for", "load_settings", "open_loggers", "publish_weights", "step_figures",
-        "wait_for_producers",
+        "control_for", "create_coordinator", "create_reader", "load_settings", "open_loggers",
+        "publish_weights", "step_figures", "wait_for_producers",
     ],
     "rollstream.producer.engines": [
         "BUILTIN_ENGINES", "FINISH_ABORT", "FINISH_ERROR", "FINISH_LENGTH", "FINISH_STOP", "Engine",
@@ -47,6 +47,8 @@ PUBLIC: dict[str, list[str]] = {
 PUBLIC_HOMES = {"rollstream.shared.settings"}
 # signatures left out of the closure check, and why
 NOT_CHECKED = {
+    "BatchReader.__init__": "made from its parts by create_reader (consumer/assembly.py)",
+    "BatchCoordinator.__init__": "made from its parts by create_coordinator (consumer/assembly.py)",
     "Batch.__init__": "made by get_batch, not by a trainer",
     "TrainBatch.__init__": "made by get_batch, not by a trainer",
     "RunControl.__init__": "made by control_for or BatchReader",
@@ -151,7 +153,8 @@ def test_the_readme_imports_only_public_names() -> None:
 
 
 def test_the_trainer_signatures_the_readme_shows() -> None:
-    assert params(consumer.BatchReader.__init__)[:3] == ["self", "client", "settings"]
+    assert params(consumer.create_reader) == ["settings", "client", "consumer"]
+    assert params(consumer.create_coordinator)[:3] == ["settings", "client", "consumer"]
     assert params(consumer.BatchReader.get_batch)[:2] == ["self", "train_step"]
     assert params(consumer.TrainBatch.commit) == ["self"]
     assert params(consumer.publish_weights) == ["control", "model_step", "uri"]
@@ -185,7 +188,7 @@ def test_the_trainer_signatures_the_readme_shows() -> None:
         "`batch.commit()`",
         "`publish_weights(control, step, uri)`",
         "`publish_weights(control_for(connect(settings), settings), step, uri)`",
-        "reader = BatchReader(connect(settings), settings)",
+        "reader = create_reader(settings)",
         "reader.control.train_step()",
         "reader.control.model_step()",
         "batch = reader.get_batch(step)",
