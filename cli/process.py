@@ -37,7 +37,7 @@ from rollstream.shared.events import STOP, Event, EventFollower, RunControl, rem
 from rollstream.shared.keys import ROLES, Keys
 from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
 from rollstream.shared.runconfig import check_run_identity, check_run_settings, run_identity
-from rollstream.shared.settings import Settings, redact_url
+from rollstream.shared.settings import ProcessSettings, Settings, redact_url
 
 log = logging.getLogger("rollstream")
 
@@ -48,7 +48,12 @@ class ProcessFailed(RollstreamError):
 
 @dataclass(slots=True)
 class Process:
-    settings: Settings
+    """A running process of the run: who it is, its connection and control, and the few
+    values of the tree its life uses (the commands keep the tree itself)."""
+
+    run: str
+    redis_url: str  # as configured: redact_url() it before it is shown
+    timeouts: ProcessSettings  # stop_timeout_s, wait_timeout_s
     role: str
     name: str
     stop: threading.Event
@@ -155,7 +160,7 @@ def _relay_signals(read: int, act: Callable[[int], None]) -> None:
 
 def wait_until_gone(process: Process, roles: tuple[str, ...]) -> None:
     """Wait until no other process of ``roles`` keeps a heartbeat, up to stop_timeout_s."""
-    deadline = time.monotonic() + process.settings.process.stop_timeout_s
+    deadline = time.monotonic() + process.timeouts.stop_timeout_s
     shown = time.monotonic()
     while time.monotonic() < deadline:
         try:
@@ -175,7 +180,7 @@ def wait_until_gone(process: Process, roles: tuple[str, ...]) -> None:
             )
         time.sleep(0.1)
     log.warning("%s: others still running after %.0f s; going on", process.role,
-                process.settings.process.stop_timeout_s)  # fmt: skip
+                process.timeouts.stop_timeout_s)  # fmt: skip
 
 
 def start_line(role: str, settings: Settings, **extra: Any) -> None:
@@ -236,7 +241,7 @@ def _running(
     control = RunControl(client, keys)
     after = control.last_event_id()  # before the caller reads any state: nothing is missed
     process = Process(
-        settings, role, name, stop, client, control,
+        settings.run, settings.redis.url, settings.process, role, name, stop, client, control,
         Liveness(client, keys, role, name, settings.process.liveness_ttl_s), run_id=run_id,
     )  # fmt: skip
 
@@ -306,7 +311,7 @@ def _run_lost(process: Process) -> RunLost | None:
         return process.errors[0]
     try:
         check_run_identity(
-            process.client, process.keys, process.settings.redis.url, process.run_id,
+            process.client, process.keys, process.redis_url, process.run_id,
             f"{process.role} {process.name}",
         )  # fmt: skip
     except RunLost as exc:

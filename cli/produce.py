@@ -92,7 +92,7 @@ def _follow_engine_count(process: Process, pool: Any, loop: Any, stop: threading
 
     from rollstream.producer.pool import actor_name, namespace
 
-    count = EngineCount(process.client, Keys(process.settings.run))
+    count = EngineCount(process.client, Keys(process.run))
     while not stop.wait(SCALE_POLL_S):
         try:
             serving = count.serving()
@@ -100,7 +100,7 @@ def _follow_engine_count(process: Process, pool: Any, loop: Any, stop: threading
             continue
         if serving is None or serving == len(pool.serving()):
             continue
-        run = process.settings.run
+        run = process.run
         try:
             handles = [ray.get_actor(actor_name(run, i), namespace=namespace(run)) for i in range(serving)]
         except ValueError:
@@ -153,8 +153,8 @@ def _recorded_ray_address(process: Process) -> str | None:
             raise NotYet("no engines process has recorded one yet (is `rollstream engines` running?)")
         return address
 
-    what = f"the Ray address of run {process.settings.run!r}"
-    return wait_until(probe, what, process.settings.process.wait_timeout_s, process.stop)
+    what = f"the Ray address of run {process.run!r}"
+    return wait_until(probe, what, process.timeouts.wait_timeout_s, process.stop)
 
 
 def judge(settings: Settings, *, stop: threading.Event, burst: bool = False) -> int:

@@ -173,7 +173,7 @@ def _check_trainer_record(process: Process, own: dict[str, Any], path: str) -> N
     stored, recorded = committed_step(process.client, process.keys), int(own["train_step"])
     if stored < recorded:
         raise RunLost(
-            f"run {process.settings.run!r}: Redis at {redact_url(process.settings.redis.url)} holds "
+            f"run {process.run!r}: Redis at {redact_url(process.redis_url)} holds "
             f"train_step {stored}, but the trainer's record {path} says step {recorded} was committed: "
             "Redis lost its latest writes (an older copy of its data?). Nothing was trained: restore "
             f"Redis's data, or go on from there on purpose with `rollstream steps --train-step {recorded} "
@@ -184,8 +184,8 @@ def _check_trainer_record(process: Process, own: dict[str, Any], path: str) -> N
 def _write_trainer_record(path: str, process: Process, step: int) -> None:
     """After each committed step: the run's id and the step, replaced atomically."""
     record = {
-        "run": process.settings.run, "run_id": process.run_id, "train_step": step,
-        "redis": redact_url(process.settings.redis.url), "ts": time.time(),
+        "run": process.run, "run_id": process.run_id, "train_step": step,
+        "redis": redact_url(process.redis_url), "ts": time.time(),
     }  # fmt: skip
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
