@@ -16,8 +16,8 @@ into the aborted pool. On a weight sync the producer stops claiming, has the eng
 move to the new step (drain, abort or partial: see EngineActor.sync_weights), and
 claims again.
 
-The producer takes its parts built (producer/assembly.py, its composition root, builds
-them from the settings) and a ProducerPlan of the numbers it needs.
+The producer takes its parts ready-made and a ProducerPlan of the numbers it needs:
+producer/assembly.py, the producer's composition root, builds both from the settings.
 """
 
 from __future__ import annotations
