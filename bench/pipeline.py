@@ -49,9 +49,9 @@ from common import RESULTS, feed_prompts, pyplot, save_figure, show, spread, tab
 from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.engines.sim import SimEngine
 from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.settings import Settings, load_settings
@@ -274,7 +274,9 @@ class MeasuringTrainer(ReferenceTrainer):
 async def _run(settings: Settings, client: redis.Redis, p: Params) -> dict[str, Any]:
     pool = LocalPool.start(settings.engines)
     meter = BusyMeter(pool)
-    producers = [Producer(settings, client, pool, f"b2-producer-{i}") for i in range(p.producers)]
+    producers = [
+        build_producer(client, settings, pool=pool, name=f"b2-producer-{i}") for i in range(p.producers)
+    ]
     trainer = MeasuringTrainer(client, settings, p.step_time_s / p.compression)
     marks = [Mark(time.monotonic(), meter.busy_s())]
 

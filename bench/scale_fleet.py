@@ -20,8 +20,8 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from rollstream.producer import worker
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
 from rollstream.shared.connection import connect
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.liveness import Liveness
@@ -45,7 +45,9 @@ async def fleet(producers: int, engines: int, name: str) -> None:
     names = [f"{name}-p{i}" for i in range(producers)]
     ttl = settings.process.liveness_ttl_s
     workers = [
-        Producer(settings, client, pool, name=n, liveness=Liveness(client, keys, Role.PRODUCER, n, ttl))
+        build_producer(
+            client, settings, pool=pool, name=n, liveness=Liveness(client, keys, Role.PRODUCER, n, ttl)
+        )
         for client, n in zip(clients, names, strict=True)
     ]
     log.info("fleet %s: %d producers on %d sim engines", name, producers, engines)

@@ -45,7 +45,7 @@ from common import RESULTS, Producers, producer_env, used_memory, write_json
 from rollstream.consumer.assembly import create_trainer
 from rollstream.consumer.trainer import StepLog
 from rollstream.producer.feeder import Feeder
-from rollstream.producer.worker import METRICS_CAP
+from rollstream.producer.progress import METRICS_CAP
 from rollstream.recipes.prompts import example_prompts
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis

@@ -32,9 +32,9 @@ import orjson
 from rollstream.cli.process import cold_stop, stop_on_signals
 from rollstream.consumer.assembly import create_trainer
 from rollstream.consumer.trainer import StepLog
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.prompts import read_prompt_file
-from rollstream.producer.worker import Producer
 from rollstream.recipes import learning, reverse
 from rollstream.recipes.prompts import example_prompts
 from rollstream.shared.buffer import ReplayBuffer
@@ -302,7 +302,7 @@ def sim_demo(prompts: int = 512, steps: int = 8, step_time_s: float = 0.3, as_js
 
 async def _run(settings: Settings, client: Any, steps: int, step_time_s: float, say: Any) -> dict[str, Any]:
     pool = LocalPool.start(settings.engines)
-    producers = [Producer(settings, client, pool, f"demo-producer-{i}") for i in range(2)]
+    producers = [build_producer(client, settings, pool=pool, name=f"demo-producer-{i}") for i in range(2)]
     trainer = create_trainer(settings, client=client, step_time_s=step_time_s, consumer="demo-trainer")
     stop = asyncio.Event()
     started = time.monotonic()

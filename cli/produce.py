@@ -28,8 +28,8 @@ def produce(
     has no work it may take)."""
     import asyncio
 
+    from rollstream.producer.assembly import build_producer
     from rollstream.producer.pool import BasePool, EnginePool, LocalPool, PoolError
-    from rollstream.producer.worker import Producer
 
     with running(settings, Role.PRODUCER, stop, heartbeat=False, follow=False, mode=settings.rollout.mode,
                  engines="local" if local_engines else settings.engines.kind) as process:  # fmt: skip
@@ -53,7 +53,9 @@ def produce(
             loop = asyncio.get_running_loop()
             watcher = threading.Thread(target=_hand_to_loop, args=(stop, loop, done, cold), daemon=True)
             watcher.start()
-            producer = Producer(settings, process.client, pool, name=process.name, liveness=process.liveness)
+            producer = build_producer(
+                process.client, settings, pool=pool, name=process.name, liveness=process.liveness
+            )
             if isinstance(pool, EnginePool):
                 threading.Thread(
                     target=_follow_engine_count, args=(process, pool, loop, stop), daemon=True

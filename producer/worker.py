@@ -2,8 +2,9 @@
 engine pool, follow weight syncs. Any number of producers run it, on any machines;
 they coordinate only through Redis.
 
-Admission (DESIGN.md, "Policy versions and staleness"): per task, a producer claims
-new work only while accepted + running < limit, checked atomically in Redis, with
+Admission (docs/stream-format.md, section 7, "Producers' admission reads these counters",
+and 11.3, "Staleness and expiry"): per task, a producer claims new work only while
+accepted + running < limit, checked atomically in Redis, with
 
     async: limit = (model_step + stale_threshold) x batch + over_sample_budget
     sync:  limit = (model_step + sync_weights_interval) x batch + over_sample_budget
@@ -14,6 +15,9 @@ the next weight sync are complete are aborted
 into the aborted pool. On a weight sync the producer stops claiming, has the engines
 move to the new step (drain, abort or partial: see EngineActor.sync_weights), and
 claims again.
+
+The producer takes its parts ready-made and a ProducerPlan of the numbers it needs:
+producer/assembly.py, the producer's composition root, builds both from the settings.
 """
 
 from __future__ import annotations
@@ -21,31 +25,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
-import redis
-
-from rollstream.producer.agents.base import AgentConfig
-from rollstream.producer.agents.registry import load_agent
 from rollstream.producer.failures import FailureLog, why
-from rollstream.producer.filters import load_filter, load_should_continue
+from rollstream.producer.filters import ShouldContinue
 from rollstream.producer.group import GroupRunner, Window
 from rollstream.producer.heartbeat import keep_beating, producer_heartbeat, stop_beating
-from rollstream.producer.judges.registry import load_judge
-from rollstream.producer.judges.rq import RQJudge
 from rollstream.producer.pool import BasePool
 from rollstream.producer.progress import METRICS_CAP, ProducerStats, metrics_record, report_progress
-from rollstream.producer.tokenizer import make_tokenizer
-from rollstream.shared.allocation import allocate_batch_sizes, over_sample_budget
-from rollstream.shared.buffer import Claim, default_consumer_name
-from rollstream.shared.connection import refuse_on_cluster
-from rollstream.shared.errors import CorruptValueError, RollstreamError, SettingsError
+from rollstream.shared.allocation import over_sample_budget
+from rollstream.shared.buffer import Claim, ReplayBuffer
+from rollstream.shared.errors import CorruptValueError, RollstreamError
 from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import EVALS
 from rollstream.shared.liveness import Heartbeat, Liveness
-from rollstream.shared.runconfig import open_buffer
-from rollstream.shared.settings import Settings
 from rollstream.shared.telemetry import admission_wait, group_finished, track_inflight, weight_synced
 
 POLL_S = 0.05  # after an empty look; doubled per empty look in a row up to producer.idle_poll_max_s
@@ -55,9 +50,7 @@ POLL_S = 0.05  # after an empty look; doubled per empty look in a row up to prod
 ADMIT_POLL_S = 1.0
 SETTLE_S = 2.0  # at a stop, how long aborted groups get to settle before they are cancelled
 log = logging.getLogger(__name__)
-# the producer's counts, metrics records and heartbeat live in producer/progress.py and
-# producer/heartbeat.py; importable from here as before
-__all__ = ["METRICS_CAP", "BackgroundTaskFailed", "Producer", "ProducerStats"]
+__all__ = ["BackgroundTaskFailed", "Producer", "ProducerPlan"]
 
 
 class BackgroundTaskFailed(RollstreamError):
@@ -65,16 +58,28 @@ class BackgroundTaskFailed(RollstreamError):
     rather than go on without weight syncs or liveness."""
 
 
-T = TypeVar("T")
+@dataclass(frozen=True, slots=True)
+class ProducerPlan:
+    """The numbers and names the produce loop reads, picked out of the settings by the
+    composition root (producer/assembly.py: producer_plan). ``batch``: each task's groups
+    per train step (the batch size split by the tasks' weights), in the tasks' order;
+    ``group_sizes``: each task's n."""
 
-
-def _plugin(load: Callable[[str], T], spec: str, setting: str) -> T:
-    """A plug-in named by a setting; a bad name says which setting named it."""
-    try:
-        return load(spec)
-    except SettingsError as exc:
-        variable = f"ROLLSTREAM_PRODUCER__{setting.upper()}"
-        raise SettingsError(f"invalid setting producer.{setting} ({variable}): {exc}") from None
+    run: str
+    mode: Literal["sync", "async"]
+    on_weight_sync: Literal["drain", "abort", "partial"]
+    batch: Mapping[str, int]
+    group_sizes: Mapping[str, int]
+    over_sample_threshold: float
+    stale_threshold: int
+    sync_weights_interval: int
+    tail_batch_trigger_size: int
+    max_inflight: int
+    heartbeat_s: float
+    idle_poll_max_s: float
+    sync_timeout_s: float
+    stop_timeout_s: float
+    progress_s: float
 
 
 def _raise_if_failed(tasks: list[asyncio.Task[None]]) -> None:
@@ -85,40 +90,31 @@ def _raise_if_failed(tasks: list[asyncio.Task[None]]) -> None:
 
 
 class Producer:
+    """The produce loop over parts built elsewhere (producer/assembly.py: build_producer):
+    ``buffer`` the run's replay buffer as consumer ``name``, ``control`` the run's state and
+    events, ``pool`` the engines, ``runner`` what makes one group of a claim on them,
+    ``should_continue`` the sync-mode plug-in, ``plan`` the numbers it needs."""
+
     def __init__(
         self,
-        settings: Settings,
-        client: redis.Redis,
+        plan: ProducerPlan,
+        *,
+        name: str,
+        buffer: ReplayBuffer,
+        control: RunControl,
         pool: BasePool,
-        name: str | None = None,
+        runner: GroupRunner,
+        should_continue: ShouldContinue,
         liveness: Liveness | None = None,
     ) -> None:
-        self.settings = settings
-        self.name = name or default_consumer_name("producer")
-        self.buffer = open_buffer(client, settings, self.name)
-        self.control = RunControl(client, self.buffer.keys)
+        self.plan = plan
+        self.name = name
+        self.buffer = buffer
+        self.control = control
         self.pool = pool
-        p = settings.producer
-        if p.judge_on_queue:  # rq's keys share no hash tag: its MULTIs cross slots
-            refuse_on_cluster(settings.redis, "the rq judge queue (producer.judge_on_queue)")
-        rq_judge = RQJudge(client, p.judge, p.judge_timeout_s, settings.buffer.max_attempts - 1)
-        agent_config = AgentConfig.from_settings(p, settings.rollout.on_weight_sync)
-        self.runner = GroupRunner(
-            p,
-            settings.tasks,
-            self.buffer,
-            pool,
-            make_tokenizer(settings.engines),
-            _plugin(load_judge, p.judge, "judge"),
-            _plugin(load_filter, p.is_valid, "is_valid"),
-            rq_judge if p.judge_on_queue else None,
-            _plugin(lambda spec: load_agent(spec, agent_config), p.agent, "agent"),
-            on_weight_sync=settings.rollout.on_weight_sync,
-            max_attempts=settings.buffer.max_attempts,
-        )
-        weights = {t.name: t.weight for t in settings.tasks}
-        self.batch = allocate_batch_sizes(settings.rollout.batch_size, weights)
-        self._should_continue = _plugin(load_should_continue, p.should_continue, "should_continue")
+        self.runner = runner
+        self.batch = dict(plan.batch)
+        self._should_continue = should_continue
         self.model_step = 0
         self.stats = ProducerStats()
         self.failures = FailureLog(log)  # a failure that hits every group is said once, then counted
@@ -133,7 +129,7 @@ class Producer:
         self._at_bound = False  # the last admission found every task at its bound
         self._idle_poll = POLL_S  # the wait after the next empty look (doubles while idle)
         self._beats: Heartbeat | None = None  # the heartbeat of a run() under way
-        self._tail: dict[str, bool] = {t.name: False for t in settings.tasks}
+        self._tail: dict[str, bool] = {task: False for task in plan.batch}
 
     async def run(
         self, stop: asyncio.Event | None = None, *, burst: bool = False, cold: asyncio.Event | None = None
@@ -148,8 +144,8 @@ class Producer:
         after = self.control.last_event_id()
         self.model_step = self.control.model_step()  # a late starter joins at the current step
         self.paused = self.control.paused()
-        rollout, p = self.settings.rollout, self.settings.producer
-        await self.pool.sync_weights(self.model_step, mode=rollout.on_weight_sync, timeout_s=p.sync_timeout_s)
+        plan = self.plan
+        await self.pool.sync_weights(self.model_step, mode=plan.on_weight_sync, timeout_s=plan.sync_timeout_s)
         # an agent with resources of its own (the proxy's HTTP server) starts and stops them
         # in these optional hooks: async startup() and shutdown()
         agent_startup, agent_shutdown = (getattr(self.runner.agent, h, None) for h in ("startup", "shutdown"))
@@ -159,7 +155,7 @@ class Producer:
         track_inflight(lambda: len(self.inflight), lambda: self.pool.outstanding)
         log.info(
             "producer %s joins run %r at model step %d%s",
-            self.name, self.settings.run, self.model_step, " (paused)" if self.paused else "",
+            self.name, self.plan.run, self.model_step, " (paused)" if self.paused else "",
         )  # fmt: skip
         background = [
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
@@ -186,7 +182,7 @@ class Producer:
         finally:
             for task in background:
                 task.cancel()  # the heartbeat thread beats on through the stop (see _shutdown)
-            await self._shutdown(self.settings.process.stop_timeout_s / 2)
+            await self._shutdown(self.plan.stop_timeout_s / 2)
             if agent_shutdown is not None:
                 await agent_shutdown()
             await self.record_metrics()
@@ -196,17 +192,17 @@ class Producer:
     # --- admission ---------------------------------------------------------------------
 
     def limit(self, task: str) -> int:
-        rollout = self.settings.rollout
+        plan = self.plan
         batch = self.batch[task]
-        budget = 0 if self._tail[task] else over_sample_budget(batch, rollout.over_sample_threshold)
+        budget = 0 if self._tail[task] else over_sample_budget(batch, plan.over_sample_threshold)
         # sync: the batches of the steps until the next weight sync (one, at interval 1)
-        ahead = rollout.stale_threshold if rollout.mode == "async" else rollout.sync_weights_interval
+        ahead = plan.stale_threshold if plan.mode == "async" else plan.sync_weights_interval
         return (self.model_step + ahead) * batch + budget
 
     def admit(self) -> list[Claim]:
         """Claim what the admission bound lets in. Sets ``_at_bound`` when nothing came
         because every task is at its bound (or has its sync batch), not for want of work."""
-        room = self.settings.producer.max_inflight - len(self.inflight)
+        room = self.plan.max_inflight - len(self.inflight)
         claims: list[Claim] = []
         at_bound = room > 0
         for task in self.batch:
@@ -237,7 +233,7 @@ class Producer:
             self._idle_poll = POLL_S
             return ADMIT_POLL_S if self._at_bound else POLL_S
         wait = self._idle_poll
-        self._idle_poll = min(2 * wait, max(POLL_S, self.settings.producer.idle_poll_max_s))
+        self._idle_poll = min(2 * wait, max(POLL_S, self.plan.idle_poll_max_s))
         return wait
 
     def _hand_back(self, claims: list[Claim]) -> None:
@@ -256,19 +252,19 @@ class Producer:
     def should_continue(self, task: str) -> bool:
         """sync mode asks the should_continue plug-in (default: accepted < the batch's
         target); async mode keeps going within the admission bound."""
-        if self.settings.rollout.mode != "sync":
+        if self.plan.mode != "sync":
             return True
         return self._should_continue(self.buffer.accepted(task), self._sync_target(task))
 
     def _sync_target(self, task: str) -> int:
         """sync mode: groups accepted once every step up to the next weight sync has its
         batch (the trainer publishes only every sync_weights_interval steps)."""
-        return (self.model_step + self.settings.rollout.sync_weights_interval) * self.batch[task]
+        return (self.model_step + self.plan.sync_weights_interval) * self.batch[task]
 
     def _expired_first(self, task: str) -> bool:
         """Tail-batch mode: -1 never re-rolls expired prompts, 0 at once, N once N wait;
         then the expired pool goes first, without over-sampling, until it is empty."""
-        trigger = self.settings.rollout.tail_batch_trigger_size
+        trigger = self.plan.tail_batch_trigger_size
         if trigger <= 0:
             return trigger == 0
         waiting = int(self.buffer.client.xlen(self.buffer.keys.expired(task)))
@@ -278,7 +274,7 @@ class Producer:
     async def abort_leftovers(self) -> None:
         """sync mode: once a task's batch is complete, what is still in flight goes back
         to the aborted pool (its partial tokens with it, in partial mode)."""
-        if self.settings.rollout.mode != "sync" or not self.runner.inflight:
+        if self.plan.mode != "sync" or not self.runner.inflight:
             return
         evals = tuple(f"{c.group_id}#{c.entry.id}#" for c in self.inflight.values() if c.source == EVALS)
         accepted = await asyncio.to_thread(lambda: {t: self.buffer.accepted(t) for t in self.batch})
@@ -312,7 +308,7 @@ class Producer:
 
     def _count(self, claim: Claim, outcome: str) -> None:
         self.stats.count(outcome)
-        group_finished(claim.task, outcome, self.settings.task(claim.task).n)
+        group_finished(claim.task, outcome, self.plan.group_sizes[claim.task])
 
     async def _settled(self, stop: asyncio.Event) -> None:
         """Wait for a group to finish, a wake-up (weight sync, resume), the stop, or the
@@ -372,7 +368,7 @@ class Producer:
         """Stop claiming. drain: what runs finishes; abort and partial: it is aborted now,
         back to the aborted pool (with its tokens, in partial mode), so the engines idle."""
         self.paused = True
-        mode = self.settings.rollout.on_weight_sync
+        mode = self.plan.on_weight_sync
         if mode != "drain":
             await self.runner.abort_all()
         log.info("run paused: producer %s claims nothing (%d groups in flight, %s)",
@@ -386,7 +382,7 @@ class Producer:
         try:
             started = time.monotonic()
             stuck = await self.pool.sync_weights(
-                model_step, uri, self.settings.rollout.on_weight_sync, self.settings.producer.sync_timeout_s
+                model_step, uri, self.plan.on_weight_sync, self.plan.sync_timeout_s
             )
             reload_s = time.monotonic() - started
             if stuck:
@@ -428,7 +424,7 @@ class Producer:
         reclaimed while their groups take long (producer/heartbeat.py: the beats come from
         a thread of their own). Fails when a beat does; every few beats brings back an
         engine that Ray restarted at step 0 (a no-op for engines already on the step)."""
-        every_s = self.settings.producer.heartbeat_s
+        every_s = self.plan.heartbeat_s
 
         def start(on_failure: Callable[[BaseException], None]) -> Heartbeat:
             self._beats = producer_heartbeat(
@@ -440,14 +436,14 @@ class Producer:
         def check_engines() -> Awaitable[list[int]] | None:
             if not self._open.is_set():
                 return None
-            return self.pool.sync_weights(self.model_step, mode=self.settings.rollout.on_weight_sync)
+            return self.pool.sync_weights(self.model_step, mode=self.plan.on_weight_sync)
 
         await keep_beating(start, every_s, check_engines)
 
     async def _report(self) -> None:
         """A progress line every process.progress_s."""
         await report_progress(
-            self.name, self.stats, self.settings.process.progress_s,
+            self.name, self.stats, self.plan.progress_s,
             lambda: (len(self.inflight), self.model_step, self.paused),
         )  # fmt: skip
 
@@ -478,7 +474,7 @@ class Producer:
         self.control.forget(self.name)  # the liveness key is its owner's to clear
 
     async def _drain(self, grace_s: float) -> None:
-        if self.inflight and self.settings.rollout.on_weight_sync != "partial":
+        if self.inflight and self.plan.on_weight_sync != "partial":
             await self._until_cold(self.inflight, grace_s)
         pending = [t for t in self.inflight if not t.done()]
         if pending:

@@ -323,11 +323,14 @@ async def _train(
     """Producers on this event loop, the trainer in a thread; then, when the last step
     had no eval and the training was not stopped from outside, one on its weights
     (while the producers still serve)."""
-    from rollstream.producer.worker import Producer
+    from rollstream.producer.assembly import build_producer
 
     settings, client = result.settings, trainer.reader.buffer.client
     stop_producers = asyncio.Event()
-    workers = [Producer(settings, client, pool, f"{settings.run}-producer-{i}") for i in range(producers)]
+    workers = [
+        build_producer(client, settings, pool=pool, name=f"{settings.run}-producer-{i}")
+        for i in range(producers)
+    ]
     running = [asyncio.create_task(p.run(stop_producers)) for p in workers]
     ended = threading.Event()  # the run's own reasons to stop: a target reached, a producer gone
     started = time.monotonic()

@@ -13,8 +13,7 @@ import orjson
 import pytest
 import redis
 
-from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
+from rollstream.producer.assembly import build_producer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.settings import load_settings
 from tests.helpers import prompts
@@ -73,9 +72,7 @@ def test_a_reader_of_the_page_decodes_agent_trajectories(redis_server: EmbeddedR
             "heartbeat_s": 0.2,
         },
     )
-    producer = Producer(
-        settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), "p1"
-    )
+    producer = build_producer(redis.Redis.from_url(redis_server.url), settings, name="p1")
     producer.buffer.feed(prompts("math", 3))  # "What is i + 1?", answer i + 1
     asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
 

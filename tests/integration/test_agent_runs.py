@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from rollstream.consumer.tensors import to_padded
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.producer.worker import Producer
 from rollstream.shared import codec
@@ -49,7 +49,7 @@ def producer_for(
         producer={"is_valid": "keep_all", "heartbeat_s": 0.2, "max_tokens": 256, **producer},
         **more,
     )
-    return Producer(settings, redis.Redis.from_url(url), LocalPool.start(settings.engines), "p1")
+    return build_producer(redis.Redis.from_url(url), settings, name="p1")
 
 
 def read_groups(producer: Producer) -> list[Group]:

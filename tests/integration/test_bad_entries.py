@@ -16,8 +16,7 @@ import redis
 
 from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.progress import ProduceProgress
-from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
+from rollstream.producer.assembly import build_producer
 from rollstream.shared import codec
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
@@ -228,9 +227,7 @@ def test_a_burst_producer_finishes_past_bad_prompts_and_bad_aborted_entries(
     # before: each of these failed in the producer on every attempt and stayed pending for
     # ever, so that `produce --burst` never exited
     settings = settings_for(redis_server.url, run_name)
-    producer = Producer(
-        settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), "p1"
-    )
+    producer = build_producer(redis.Redis.from_url(redis_server.url), settings, name="p1")
     keys = producer.buffer.keys
     bad = [
         client.xadd(keys.prompts("math"), bad_prompt(prompt=7)),  # type: ignore[arg-type]
@@ -375,9 +372,7 @@ def test_a_producer_starting_on_a_corrupt_model_step_names_it(
 ) -> None:
     settings = settings_for(redis_server.url, run_name)
     client.hset(Keys(run_name).state, MODEL_STEP, "99999999999")
-    producer = Producer(
-        settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), "p1"
-    )
+    producer = build_producer(redis.Redis.from_url(redis_server.url), settings, name="p1")
     with pytest.raises(CorruptValueError, match="field model_step is '99999999999', not a step number"):
         asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
 

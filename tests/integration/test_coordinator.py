@@ -12,8 +12,7 @@ import redis
 
 from rollstream.consumer.assembly import create_coordinator
 from rollstream.consumer.coordinator import BatchCoordinator
-from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
+from rollstream.producer.assembly import build_producer
 from rollstream.shared.buffer import Claim
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import BatchTimeout, ReplayBufferError
@@ -67,7 +66,7 @@ class BackgroundProducer:
     def _serve(self) -> None:
         async def main() -> None:
             client = redis.Redis.from_url(self.server.url)
-            producer = Producer(self.settings, client, LocalPool.start(self.settings.engines), "p1")
+            producer = build_producer(client, self.settings, name="p1")
             claim = producer.buffer.claim
 
             def recorded(*args: Any, **kwargs: Any) -> list[Claim]:

@@ -13,8 +13,7 @@ import pytest
 import redis
 
 from rollstream.consumer.assembly import create_reader
-from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
+from rollstream.producer.assembly import build_producer
 from rollstream.shared import codec
 from rollstream.shared.buffer import Batch, ReplayBuffer
 from rollstream.shared.connection import connect
@@ -300,7 +299,7 @@ def test_a_lone_producer_process_completes_a_prompt_whose_settle_failed_once_onl
         producer={"max_tokens": 100, "is_valid": "keep_all", "heartbeat_s": 0.1, "max_inflight": 4},
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+    producer = build_producer(client, settings, name="p1")
     producer.buffer.feed(prompts("math", 1))
     _break_settles(producer.buffer, times=SETTLE_RESENDS + 1)  # the first settle fails for good
     keys = producer.buffer.keys
@@ -354,7 +353,7 @@ def test_a_lone_producer_takes_back_a_claim_whose_group_crashed(
         producer={"max_tokens": 100, "is_valid": "keep_all", "heartbeat_s": 0.1, "max_inflight": 4},
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+    producer = build_producer(client, settings, name="p1")
     producer.buffer.feed(prompts("math", 1))
     score = producer.runner.score
     crashed: list[str] = []

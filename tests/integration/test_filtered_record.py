@@ -13,8 +13,7 @@ import orjson
 import pytest
 import redis
 
-from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
+from rollstream.producer.assembly import build_producer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.records import Group
 from rollstream.shared.settings import load_settings
@@ -38,7 +37,7 @@ def test_each_filtered_group_leaves_its_uid(redis_server: EmbeddedRedis, run_nam
         producer={"max_tokens": 100, "is_valid": f"{__name__}:reject_all", "heartbeat_s": 0.2},
     )
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+    producer = build_producer(client, settings, name="p1")
     producer.buffer.feed(prompts("math", 3))
     asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
 

@@ -19,10 +19,10 @@ import pytest
 import redis
 from rq.registry import StartedJobRegistry
 
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.group import JudgeFailures
 from rollstream.producer.judges.base import JudgeError
 from rollstream.producer.judges.rq import RQJudge
-from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.keys import Keys, Role
@@ -41,7 +41,7 @@ def make(url: str, run: str, process: dict[str, Any] | None = None, **overrides:
     settings = settings_for(url, run, **overrides)
     if process:
         settings = settings.model_copy(update={"process": settings.process.model_copy(update=process)})
-    return Producer(settings, redis.Redis.from_url(url), LocalPool.start(settings.engines), "p1")
+    return build_producer(redis.Redis.from_url(url), settings, name="p1")
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

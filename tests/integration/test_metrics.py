@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
+from rollstream.producer.assembly import build_producer
 from rollstream.shared import telemetry
 from rollstream.shared.embedded import EmbeddedRedis, free_port
 from rollstream.shared.events import STOP, WEIGHT_SYNC, RunControl
@@ -47,7 +46,7 @@ def test_a_producer_counts_groups_tokens_latencies_syncs_and_admission_waits(
     client = redis.Redis.from_url(redis_server.url)
     open_buffer(client, settings, "feed").feed(prompts("math", 8))
     telemetry.identify(run_name, "producer")
-    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+    producer = build_producer(client, settings, name="p1")
     me = {"run": run_name, "role": "producer"}
     math = {**me, "task": "math"}
 

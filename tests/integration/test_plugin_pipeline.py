@@ -24,8 +24,8 @@ from rollstream.consumer import (
     publish_weights,
     wait_for_producers,
 )
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import STOP
 from tests.helpers import prompts
@@ -52,7 +52,7 @@ def test_a_run_with_a_plugin_engine_judge_and_filter(redis_server: EmbeddedRedis
     pool = LocalPool.start(settings.engines)
     engines = [host.engine for host in pool.hosts]
     assert [type(e) for e in engines] == [MarkedEngine, MarkedEngine]
-    producer = Producer(settings, redis.Redis.from_url(redis_server.url), pool, "p1")
+    producer = build_producer(redis.Redis.from_url(redis_server.url), settings, pool=pool, name="p1")
     fed = prompts("math", FED)  # answers 1..16: the filter keeps the 8 even ones
     producer.buffer.feed(fed)
     failures: list[BaseException] = []

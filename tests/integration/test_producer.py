@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import redis
 
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.engines.sim import SimEngine
 from rollstream.producer.pool import LocalPool
 from rollstream.producer.worker import Producer
@@ -40,7 +41,7 @@ def settings_for(url: str, run: str, **overrides: Any) -> Settings:
         "producer": {"max_tokens": 400, "is_valid": "keep_all", "heartbeat_s": 0.2, "max_inflight": 16},
     }
     for key, value in overrides.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return load_settings(**base)
 
 
@@ -54,7 +55,7 @@ def make_producer(redis_server: EmbeddedRedis, run_name: str) -> ProducerFactory
             pool = LocalPool(
                 [SimEngine(settings.engines.sim, clock=clock) for _ in range(settings.engines.count)]
             )
-        return Producer(settings, redis.Redis.from_url(redis_server.url), pool, name)
+        return build_producer(redis.Redis.from_url(redis_server.url), settings, pool=pool, name=name)
 
     return make
 
@@ -226,7 +227,7 @@ async def fresh_generation(producer: Producer, text: str, n: int) -> list[Any]:
     from rollstream.producer.engines.base import SamplingParams
     from rollstream.producer.engines.sim import SimEngine
 
-    engine = SimEngine(producer.settings.engines.sim)
+    engine = SimEngine(hosts(producer)[0].engine.settings)  # the settings of the producer's engines
     params = SamplingParams(max_tokens=1200)
     return await engine.generate(producer.runner.tokenizer.encode(text), params, n)
 

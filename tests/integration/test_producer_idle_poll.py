@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.worker import POLL_S, Producer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import SettingsError
@@ -51,7 +51,7 @@ class Looks:
 def idle_producer(redis_server: EmbeddedRedis, run_name: str, **producer: Any) -> Producer:
     settings = settings_for(redis_server.url, run_name, producer=producer)
     client = redis.Redis.from_url(redis_server.url, connection_class=Counting)
-    return Producer(settings, client, LocalPool.start(settings.engines), "idle")
+    return build_producer(client, settings, name="idle")
 
 
 def nothing_claimed(producer: Producer) -> None:
@@ -72,7 +72,7 @@ def test_an_idle_producer_backs_off_its_looks_for_work(
 ) -> None:
     # Given a producer with nothing to claim (no prompt fed) and the default cap of 1 s
     producer = idle_producer(redis_server, run_name)
-    assert producer.settings.producer.idle_poll_max_s == 1.0
+    assert producer.plan.idle_poll_max_s == 1.0
     looks = Looks(producer)
     running.append(Running(producer).start())
     wait_for(lambda: looks.times, timeout=30)

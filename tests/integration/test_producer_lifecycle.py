@@ -14,12 +14,12 @@ import pytest
 import redis
 from redis.connection import Connection
 
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.worker import Producer
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import PAUSE, RESUME, WEIGHT_SYNC
-from rollstream.shared.keys import EXPIRED, PRODUCERS, Role
+from rollstream.shared.keys import EXPIRED, PRODUCERS, Keys, Role
 from rollstream.shared.liveness import Liveness
 from rollstream.shared.records import Prompt, Sample
 from rollstream.shared.runconfig import open_buffer
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 def make(redis_server: EmbeddedRedis, run_name: str, name: str = "p1", **overrides: Any) -> Producer:
     settings = settings_for(redis_server.url, run_name, **overrides)
-    return Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), name)
+    return build_producer(redis.Redis.from_url(redis_server.url), settings, name=name)
 
 
 class Running:
@@ -115,10 +115,11 @@ def test_a_restarted_producer_takes_back_a_dead_ones_claims_from_the_expired_poo
 ) -> None:
     # tail-batch mode at 8: the expired pool goes first once 8 prompts wait there
     overrides: dict[str, Any] = {"rollout": {"tail_batch_trigger_size": 8}, "buffer": {"claim_idle_ms": 200}}
-    producer = make(redis_server, run_name, "restarted", **overrides)
+    settings = settings_for(redis_server.url, run_name, **overrides)
+    producer = build_producer(redis.Redis.from_url(redis_server.url), settings, name="restarted")
     keys = producer.buffer.keys
     # Given a producer in tail mode that claimed the 5 prompts of the expired pool, then died
-    dead = open_buffer(redis.Redis.from_url(redis_server.url), producer.settings, "dead")
+    dead = open_buffer(redis.Redis.from_url(redis_server.url), settings, "dead")
     dead.feed(prompts("math", 5), pool=EXPIRED)
     assert len(dead.claim("math", 5, include_expired=True)) == 5
     wait_idle(producer.buffer.client, keys.expired("math"), PRODUCERS, 200)
@@ -136,22 +137,26 @@ CLAIM_IDLE_MS = 1200
 HELD_S = 3.0  # how long the tests hold the loop or the judge: past both
 
 
-def live_producer(redis_server: EmbeddedRedis, run_name: str, **overrides: Any) -> Producer:
+def live_producer(
+    redis_server: EmbeddedRedis, run_name: str, **overrides: Any
+) -> tuple[Producer, ReplayBuffer]:
     """A producer whose claims may be reclaimed after 1.2 s and whose liveness key expires
     after 2 s unless renewed: it beats every 0.1 s. The margins (a beat every 0.1 s against
     a 2 s key, a claim renewed every 0.4 s against 1.2 s) hold on a loaded 2-core machine,
-    where a 0.6 s key once expired under a parallel run."""
+    where a 0.6 s key once expired under a parallel run. With it, the buffer of another
+    consumer ("thief") of the same run and settings, that reclaims what it may."""
     producer_settings = {"heartbeat_s": 0.1, **overrides.pop("producer", {})}
-    producer = make(
-        redis_server,
+    settings = settings_for(
+        redis_server.url,
         run_name,
-        "p1",
         buffer={"claim_idle_ms": CLAIM_IDLE_MS},
         producer=producer_settings,
         **overrides,
     )
-    producer.liveness = Liveness(producer.buffer.client, producer.buffer.keys, Role.PRODUCER, "p1", TTL_S)
-    return producer
+    client = redis.Redis.from_url(redis_server.url)
+    liveness = Liveness(client, Keys(settings.run), Role.PRODUCER, "p1", TTL_S)
+    producer = build_producer(client, settings, name="p1", liveness=liveness)
+    return producer, open_buffer(redis.Redis.from_url(redis_server.url), settings, "thief")
 
 
 def alive_and_holding(producer: Producer, thief: ReplayBuffer) -> Callable[[], None]:
@@ -173,8 +178,7 @@ def test_a_judge_slower_than_the_liveness_ttl_keeps_the_producer_alive_and_its_c
     JUDGING.clear()
     RELEASE.clear()
     judge = f"{__name__}:HeldJudge"
-    producer = live_producer(redis_server, run_name, producer={"judge": judge})
-    thief = open_buffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
+    producer, thief = live_producer(redis_server, run_name, producer={"judge": judge})
     producer.buffer.feed(prompts("math", 1))
     run_producer(producer)
     try:
@@ -200,8 +204,7 @@ def test_a_held_event_loop_does_not_stop_the_heartbeat_nor_the_claims_touch(
 ) -> None:
     # slow engines: a group takes seconds, so it is in flight while the loop is held
     slow = {"sim": {"time_compression": 0.02, "median_tokens": 100, "sigma": 0.0}}
-    producer = live_producer(redis_server, run_name, engines=slow)
-    thief = open_buffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
+    producer, thief = live_producer(redis_server, run_name, engines=slow)
     producer.buffer.feed(prompts("math", 1))
     running = run_producer(producer)
     wait_for(lambda: len(producer.inflight) == 1, timeout=30)
@@ -255,7 +258,7 @@ def test_admission_at_the_bound_waits_for_the_weight_sync_instead_of_polling_red
     monkeypatch.setattr("rollstream.producer.worker.ADMIT_POLL_S", 60.0)
     settings = settings_for(redis_server.url, run_name)  # async, batch 4, max_staleness 0
     client = redis.Redis.from_url(redis_server.url, connection_class=Counting)
-    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+    producer = build_producer(client, settings, name="p1")
     producer.buffer.feed(prompts("math", 20))
     run_producer(producer)
     # Given a producer at the admission bound of model step 0 (4 groups), nothing in flight
@@ -311,8 +314,9 @@ def test_a_stop_while_the_in_process_judge_hangs_hands_the_group_back(
 ) -> None:
     JUDGING.clear()
     RELEASE.clear()
-    producer = make(redis_server, run_name, producer={"judge": f"{__name__}:HeldJudge"})
-    producer.settings.process.stop_timeout_s = 1.0  # in-flight groups get 0.5 s to finish
+    # a stop_timeout_s of 1 s: in-flight groups get 0.5 s to finish
+    held = {"judge": f"{__name__}:HeldJudge"}
+    producer = make(redis_server, run_name, producer=held, process={"stop_timeout_s": 1.0})
     producer.buffer.feed(prompts("math", 1))
     running = Running(producer).start()
     try:
@@ -367,11 +371,14 @@ def test_a_warm_stop_keeps_the_producer_alive_and_its_claims_while_its_groups_fi
     JUDGING.clear()
     RELEASE.clear()
     judge = f"{__name__}:HeldJudge"
-    producer = live_producer(
-        redis_server, run_name, producer={"judge": judge}, rollout={"on_weight_sync": "drain"}
+    # a stop_timeout_s of 60 s: a warm stop that waits long for its groups
+    producer, thief = live_producer(
+        redis_server,
+        run_name,
+        producer={"judge": judge},
+        rollout={"on_weight_sync": "drain"},
+        process={"stop_timeout_s": 60},
     )
-    producer.settings.process.stop_timeout_s = 60  # a warm stop that waits long for its groups
-    thief = open_buffer(redis.Redis.from_url(redis_server.url), producer.settings, "thief")
     producer.buffer.feed(prompts("math", 1))
     running = run_producer(producer)
     try:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.worker import Producer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import WEIGHT_SYNC
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 def make(redis_server: EmbeddedRedis, run_name: str, **overrides: Any) -> Producer:
     settings = settings_for(redis_server.url, run_name, **overrides)
-    return Producer(settings, redis.Redis.from_url(redis_server.url), LocalPool.start(settings.engines), "p1")
+    return build_producer(redis.Redis.from_url(redis_server.url), settings, name="p1")
 
 
 @pytest.mark.timeout(60)
@@ -91,7 +91,7 @@ def test_a_dead_lettered_group_gives_its_place_back_to_the_producers(
     asyncio.run(producer.run(burst=True))
     assert producer.stats.outcomes == {"completed": 4}
     # When the trainer dead-letters one of them (it could not use it)
-    trainer = open_buffer(producer.buffer.client, producer.settings, "trainer")
+    trainer = open_buffer(producer.buffer.client, settings_for(redis_server.url, run_name), "trainer")
     (item, *_) = trainer.read_batch("math", 4).items
     assert trainer.dead_letter(item.entry, "bad group")
     # Then a producer may make one more: the dead group no longer holds a place for ever

@@ -17,8 +17,7 @@ import redis
 from rollstream.cli.main import main
 from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.weights import publish_weights, wait_for_producers
-from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
+from rollstream.producer.assembly import build_producer
 from rollstream.shared import events as shared_events
 from rollstream.shared.embedded import EmbeddedRedis, free_port
 from rollstream.shared.errors import CorruptValueError
@@ -109,7 +108,7 @@ def test_a_group_of_empty_responses_has_the_step_it_was_made_at(
         producer={"is_valid": "keep_all"},
     )
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+    producer = build_producer(client, settings, name="p1")
     publish_weights(producer.control, 3)  # the run is at step 3 when the producer starts
     producer.buffer.feed(prompts("math", 2))
     asyncio.run(asyncio.wait_for(producer.run(burst=True), 60))
@@ -137,7 +136,7 @@ def test_a_progress_counter_that_is_not_a_number_stops_the_producer_naming_the_k
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(run_name)
     client.hset(keys.progress, "math:produced_tokens", "lots")  # one the settle adds to
-    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+    producer = build_producer(client, settings, name="p1")
     producer.buffer.feed(prompts("math", 4))
     # was: every group failed with a logged ResponseError, its claim left pending, for ever
     with pytest.raises(CorruptValueError, match=r"rs:\{t\w+\}:progress field math:produced_tokens is 'lots'"):

@@ -11,8 +11,7 @@ import pytest
 import redis
 
 from rollstream.consumer.assembly import create_coordinator
-from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
+from rollstream.producer.assembly import build_producer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
@@ -42,7 +41,7 @@ def test_a_producer_with_its_sync_batch_done_serves_an_eval_batch(
 
     def serve() -> None:
         async def main() -> None:
-            producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+            producer = build_producer(client, settings, name="p1")
             done = asyncio.Event()
             running = asyncio.create_task(producer.run(done))
             await asyncio.to_thread(stop.wait)

@@ -17,8 +17,8 @@ import redis
 from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.progress import ProduceProgress
 from rollstream.consumer.weights import SyncTimeout, publish_weights, wait_for_producers
+from rollstream.producer.assembly import build_producer
 from rollstream.producer.pool import LocalPool
-from rollstream.producer.worker import Producer
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import BatchTimeout
@@ -88,7 +88,7 @@ def test_tail_batch_modes_decide_when_producers_take_the_expired_pool_first(
     produce_at(open_buffer(client, settings, "p"), [0] * waiting + [9, 9])
     reader = create_reader(settings, client=client)
     assert reader.get_batch(10).expired == waiting
-    producer = Producer(settings, client, LocalPool([]), "probe")
+    producer = build_producer(client, settings, pool=LocalPool([]), name="probe")
     assert producer._expired_first("math") is first
     assert producer.limit("math") == (0 + 1) * 2 + 0  # no over-sampling budget configured
 
@@ -187,7 +187,7 @@ def test_producers_and_the_trainer_settle_on_one_model_step(
         rollout={"batch_size": 2}, producer={"is_valid": "keep_all", "heartbeat_s": 0.05},
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
-    producer = Producer(settings, client, LocalPool.start(settings.engines), "p1")
+    producer = build_producer(client, settings, name="p1")
     producer.buffer.feed(prompts("math", 20))
 
     async def main() -> list[str]:

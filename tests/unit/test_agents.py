@@ -524,17 +524,17 @@ def test_the_producer_builds_the_agent_its_settings_name(
     fake_client: Any, make_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from rollstream.producer.agents.multi import MultiTurnAgent
+    from rollstream.producer.assembly import build_producer
     from rollstream.producer.pool import LocalPool
-    from rollstream.producer.worker import Producer
 
     monkeypatch.setenv("ROLLSTREAM_PRODUCER__AGENT", "multi_turn")
     monkeypatch.setenv("ROLLSTREAM_PRODUCER__AGENT_OPTIONS", f'{{"env": "{GUESS}"}}')
     settings = make_settings()
-    producer = Producer(settings, fake_client, LocalPool([]), "p")
+    producer = build_producer(fake_client, settings, pool=LocalPool([]), name="p")
     assert isinstance(producer.runner.agent, MultiTurnAgent)
     assert producer.runner.agent.config.max_turns == settings.producer.max_turns == 8
     monkeypatch.setenv("ROLLSTREAM_PRODUCER__AGENT", "looping")
     bad = make_settings()
     match = r"producer.agent \(ROLLSTREAM_PRODUCER__AGENT\): agent 'looping'"
     with pytest.raises(SettingsError, match=match):
-        Producer(bad, fake_client, LocalPool([]), "p")
+        build_producer(fake_client, bad, pool=LocalPool([]), name="p")

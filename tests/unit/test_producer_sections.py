@@ -1,7 +1,8 @@
 """The producer's parts take the sections of the settings they use, never the whole tree
 (issue 22): the group runner its producer section, the tasks' group sizes, the weight-sync
 mode and the attempts; the pools and the engine actors the engines section and the run's
-name. Only the producer's composition root (producer/worker.py) holds the tree."""
+name; the Producer its parts and a ProducerPlan (issue 33). Only the producer's composition
+root (producer/assembly.py) holds the tree."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 
+from rollstream.producer.assembly import build_producer, producer_plan
 from rollstream.producer.filters import keep_all
 from rollstream.producer.group import GroupRunner
 from rollstream.producer.judges.registry import load_judge
@@ -23,7 +25,10 @@ from rollstream.shared.keys import Keys
 from rollstream.shared.settings import load_settings
 
 PRODUCER = Path(__file__).resolve().parents[2] / "producer"
-NARROW = ["group.py", "pool.py", "actors.py", "completions.py", "judging.py", "heartbeat.py", "progress.py"]
+NARROW = [
+    "group.py", "pool.py", "actors.py", "completions.py", "judging.py", "heartbeat.py", "progress.py",
+    "worker.py",
+]  # fmt: skip
 
 
 def imported_names(path: Path) -> set[str]:
@@ -39,6 +44,41 @@ def test_the_producers_parts_do_not_import_the_settings_tree(module: str) -> Non
     path = PRODUCER / module
     assert "Settings" not in imported_names(path)
     assert "load_settings" not in imported_names(path)
+
+
+def test_only_the_composition_root_of_the_producer_imports_the_settings_tree() -> None:
+    takers = set()
+    for path in PRODUCER.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = {alias.name for alias in node.names} if isinstance(node, ast.ImportFrom) else set()
+            if "Settings" in names:
+                takers.add(str(path.relative_to(PRODUCER)))
+    assert takers == {"assembly.py"}
+    assert "open_buffer" not in imported_names(PRODUCER / "worker.py")
+
+
+def test_a_producer_is_built_from_parts_and_a_plan(fake_client: redis.Redis) -> None:
+    settings = load_settings(
+        run="plan",
+        tasks=[{"name": "math", "n": 3, "weight": 3.0}, {"name": "code", "n": 5}],
+        rollout={"mode": "sync", "batch_size": 8, "max_staleness": 2, "on_weight_sync": "abort"},
+        producer={"max_inflight": 5, "heartbeat_s": 0.5, "idle_poll_max_s": 2.0, "sync_timeout_s": 9.0},
+        process={"stop_timeout_s": 4.0, "progress_s": 7.0},
+    )
+    plan = producer_plan(settings)
+    assert (plan.run, plan.mode, plan.on_weight_sync) == ("plan", "sync", "abort")
+    assert dict(plan.batch) == {"math": 6, "code": 2} and dict(plan.group_sizes) == {"math": 3, "code": 5}
+    assert (plan.stale_threshold, plan.sync_weights_interval, plan.max_inflight) == (3, 1, 5)
+    assert (plan.heartbeat_s, plan.idle_poll_max_s, plan.sync_timeout_s) == (0.5, 2.0, 9.0)
+    assert (plan.stop_timeout_s, plan.progress_s) == (4.0, 7.0)
+    pool = LocalPool([])
+    producer = build_producer(fake_client, settings, pool=pool, name="p9")
+    assert not hasattr(producer, "settings")
+    assert producer.plan == plan and producer.pool is pool and producer.name == "p9"
+    assert producer.buffer.consumer == "p9"
+    assert producer.buffer.keys == producer.control.keys == Keys("plan")
+    assert producer.batch == {"math": 6, "code": 2}
+    assert producer.runner.on_weight_sync == "abort" and producer.runner.group_size("code") == 5
 
 
 def test_a_group_runner_is_built_from_sections(fake_client: redis.Redis) -> None:
