@@ -80,7 +80,7 @@ def _attributes(obj: Any) -> list[Any]:
 def _caller_module(frame: FrameType) -> str | None:
     caller = frame.f_back
     while caller is not None:
-        name = caller.f_globals.get("__name__", "")
+        name = str(caller.f_globals.get("__name__", ""))
         if name.startswith("rollstream."):
             return name
         caller = caller.f_back
@@ -143,7 +143,7 @@ def run_produce(trace: Trace) -> int:
                 return rollstream(["produce", "--local-engines", "--burst"])
             finally:
                 sys.setprofile(None)
-                threading.setprofile(None)  # type: ignore[arg-type]
+                threading.setprofile(None)
         finally:
             for k, v in saved.items():
                 if v is None:
