@@ -260,7 +260,10 @@ def _running(
 
     follower = EventFollower(control, after, handle, failed).start() if follow else None
     beat = Heartbeat(process.liveness, detail).start() if heartbeat else None
-    watch = threading.Thread(target=_watch_run, args=(process, failed), name="run-identity", daemon=True)
+    ended = threading.Event()  # the process's life is over: the identity watch ends with it
+    watch = threading.Thread(
+        target=_watch_run, args=(process, failed, ended), name="run-identity", daemon=True
+    )
     watch.start()
     try:
         yield process
@@ -280,6 +283,7 @@ def _running(
         raise
     finally:
         STOPPING.set()
+        ended.set()
         if follower is not None:
             follower.stop()
         if beat is not None:
@@ -321,11 +325,13 @@ def _run_lost(process: Process) -> RunLost | None:
     return None
 
 
-def _watch_run(process: Process, failed: Callable[[BaseException], None]) -> None:
+def _watch_run(process: Process, failed: Callable[[BaseException], None], ended: threading.Event) -> None:
     """Every WATCH_RUN_S, the run's identity: a run that Redis lost stops the process with
     one error, instead of a feeder dying on NOGROUP, a producer claiming nothing for ever
-    or a trainer waiting in silence."""
-    while not process.stop.wait(WATCH_RUN_S):
+    or a trainer waiting in silence. It ends with the process's life (``ended``): a command
+    that returned on its own (a burst producer, an in-process caller) leaves no thread
+    behind that asks a Redis it no longer uses."""
+    while not ended.wait(WATCH_RUN_S) and not process.stop.is_set():
         lost = _run_lost(process)
         if lost is not None:  # said once, by the command's exit
             failed(lost)
