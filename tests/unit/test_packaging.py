@@ -225,23 +225,6 @@ def test_a_checkout_without_symbolic_links_installs_and_imports(tmp_path: Path) 
     assert Path(_run([str(python), "-c", code], tmp_path).strip()) == clone / "shared" / "buffer.py"
 
 
-def test_the_settings_tree_reaches_few_modules_on_the_produce_path() -> None:
-    # issue 22: the tree handed to `rollstream produce` entered 20 modules; each part now takes
-    # its own sections (ReplayBuffer its BufferSettings, GroupRunner the producer's, the pool
-    # the engines'), and the tree stays with the process's composition root
-    spec = importlib.util.spec_from_file_location("settings_reach", ROOT / "tools" / "settings_reach.py")
-    assert spec is not None and spec.loader is not None
-    reach = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reach)
-    hits = reach.reached()
-    # the walk follows the lazy imports into the producer's composition root
-    assert "rollstream.producer.assembly" in hits
-    assert "rollstream.producer.worker" not in hits  # issue 33: the produce loop takes its parts
-    assert len(hits) <= reach.LIMIT == 8, hits
-    narrow = ("shared.buffer", "producer.group", "producer.pool", "producer.engines")
-    assert not [name for name in hits if name.removeprefix("rollstream.").startswith(narrow)], hits
-
-
 def test_no_module_outside_bench_and_tests_is_over_500_lines() -> None:
     # issue 22: a module a newcomer can read at one sitting; cli/commands.py had 1,027 lines,
     # shared/settings.py 973, shared/codec.py 814
@@ -254,20 +237,35 @@ def test_no_module_outside_bench_and_tests_is_over_500_lines() -> None:
     assert _sources() and not long, long
 
 
-def test_under_consumer_only_the_composition_root_imports_the_settings_tree() -> None:
-    # issue 33: BatchReader, ReferenceTrainer, Archiver, BatchCoordinator take parts and
-    # plans; consumer/assembly.py reads the tree (consumer/__init__.py re-exports its doors)
-    allowed = {"assembly.py", "__init__.py"}
-    offenders = []
-    for path in sorted((ROOT / "consumer").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (
-                isinstance(node, ast.ImportFrom)
-                and node.module == "rollstream.shared.settings"
-                and any(alias.name == "Settings" for alias in node.names)
-                and path.name not in allowed
-            ):
-                offenders.append(str(path.relative_to(ROOT)))
-    assert offenders == []
+# issue 33: settings are read at the edge. Besides cli/ and the recipes (runs of the whole
+# pipeline, which make their trees), the tree is read by the process's composition roots,
+# which build the parts and hand each its section or a plan, and by shared/runconfig.py,
+# what both roots build from it alike (the buffer, the run's published settings).
+# consumer/__init__.py hands the trainer-facing doors on from consumer/assembly.py.
+TREE_READERS = {
+    "shared/runconfig.py",
+    "producer/assembly.py",
+    "consumer/assembly.py",
+}
+TREE_NAMES = {"Settings", "load_settings"}
+
+
+def _imports_the_tree(path: Path) -> bool:
+    return any(
+        isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("rollstream.")
+        and TREE_NAMES & {alias.name for alias in node.names}
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+    )
+
+
+def test_only_the_composition_roots_and_cli_import_the_settings_tree() -> None:
+    readers = {
+        str(path.relative_to(ROOT))
+        for part in ("shared", "producer", "consumer")
+        for path in sorted((ROOT / part).rglob("*.py"))
+        if _imports_the_tree(path)
+    }
+    assert readers - {"consumer/__init__.py"} == TREE_READERS
     init = (ROOT / "consumer" / "__init__.py").read_text()
     assert "from rollstream.shared.settings import" not in init  # through the assembly
