@@ -231,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--consumer", default=TRAINER_CONSUMER, help="stable consumer name (restarts re-read its groups)"
     )
-    p.add_argument("--hf-model", help="train this Hugging Face model for real (policy gradient, hf extra)")
+    p.add_argument(
+        "--hf-model",
+        help="train this Hugging Face model for real (policy gradient, hf extra): a directory, or a "
+        "known model by name (smollm2-135m)",
+    )
     p.add_argument("--weights-dir", default="weights", help="where each synced step's weights are saved")
     p.add_argument("--lr", type=float, default=1e-5, help="learning rate of the real update")
     p.add_argument(

@@ -23,6 +23,7 @@ from rollstream.consumer.advantages import batch_advantages
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.losses import AlgorithmConfig, policy_loss
 from rollstream.consumer.tensors import TokenBatch, to_padded, token_logprobs
+from rollstream.shared import models
 from rollstream.shared.records import Group
 from rollstream.shared.transports import Sender, TransportSettings, sender_for, unique_tensors
 
@@ -45,7 +46,8 @@ class PolicyGradient:
 
         self.torch: Any = torch
         self.device = torch.device(device)
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # a known model by name (smollm2-135m): its cached conversion
+        model: Any = AutoModelForCausalLM.from_pretrained(models.resolve(model_dir), dtype=torch.float32)
         self.model: Any = model.to(self.device).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.out_dir = Path(out_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from rollstream.shared import models
 from rollstream.shared.records import PromptText
 from rollstream.shared.settings import EngineSettings
 
@@ -32,7 +33,7 @@ class HFTokenizer:
     def __init__(self, model: str) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(model)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(models.resolve(model))
 
     def encode(self, prompt: PromptText) -> list[int]:
         if isinstance(prompt, str):

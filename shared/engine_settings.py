@@ -46,7 +46,11 @@ class SimEngineSettings(BaseModel):
 class HFEngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    model: str = Field(default="", description="directory of a Hugging Face model (config, safetensors)")
+    model: str = Field(
+        default="",
+        description="directory of a Hugging Face model (config, safetensors), or a known model by name "
+        "(smollm2-135m: shared/models.py)",
+    )
     device: str = Field(default="cpu", description="torch device: cpu, cuda, cuda:1, ...")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
@@ -56,7 +60,11 @@ class VLLMEngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    model: str = Field(default="", description="directory of a Hugging Face model (config, safetensors)")
+    model: str = Field(
+        default="",
+        description="directory of a Hugging Face model (config, safetensors), or a known model by name "
+        "(smollm2-135m: shared/models.py)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(default=0, ge=0, description="0: the model's own")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of GPU memory")

@@ -56,7 +56,9 @@ from rollstream.producer.engines.base import (
 )
 from rollstream.producer.engines.hf_decode import Batch, Row
 from rollstream.producer.engines.hf_weights import check_fit as check_fit  # its home was here
+from rollstream.shared import models
 from rollstream.shared.engine_settings import EngineSettings, HFEngineSettings
+from rollstream.shared.models import ModelError
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,10 +92,15 @@ class _Call:
 
 class HFEngine:
     def __init__(self, settings: HFEngineSettings, model_step: int = 0) -> None:
+        try:  # a known model by name (smollm2-135m) loads from its cached conversion
+            path = Path(models.resolve(settings.model))
+        except ModelError as exc:
+            raise EngineError(f"hf engine: {exc}") from exc
+        if settings.model and str(path) != settings.model:
+            settings = settings.model_copy(update={"model": str(path)})
         self.settings = settings
         self.model_step = model_step
         self.paused = False
-        path = Path(settings.model)
         if not settings.model or not (path / "config.json").is_file():
             raise EngineError(f"hf engine: no model directory (config.json) at {str(path)!r}")
         try:

@@ -65,7 +65,9 @@ from rollstream.producer.engines.vllm_args import environment as _environment
 from rollstream.producer.engines.vllm_args import sampled_logprobs as _sampled_logprobs
 from rollstream.producer.engines.vllm_args import sampling_params
 from rollstream.producer.engines.vllm_args import stat_logger as _stat_logger
+from rollstream.shared import models
 from rollstream.shared.engine_settings import EngineSettings, VLLMEngineSettings
+from rollstream.shared.models import ModelError
 from rollstream.shared.records import ID_DTYPE
 
 log = logging.getLogger(__name__)
@@ -103,10 +105,15 @@ class _BusyClock:
 
 class VLLMEngine:
     def __init__(self, settings: VLLMEngineSettings, model_step: int = 0) -> None:
+        try:  # a known model by name (smollm2-135m) loads from its cached conversion
+            path = Path(models.resolve(settings.model))
+        except ModelError as exc:
+            raise EngineError(f"vllm engine: {exc}") from exc
+        if settings.model and str(path) != settings.model:
+            settings = settings.model_copy(update={"model": str(path)})
         self.settings = settings
         self.model_step = model_step
         self.paused = False
-        path = Path(settings.model)
         if not settings.model or not (path / "config.json").is_file():
             raise EngineError(
                 f"vllm engine: no model directory (config.json) at {str(path)!r} "
