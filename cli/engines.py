@@ -41,7 +41,7 @@ def engines(
 
     import ray
 
-    from rollstream.producer.pool import EnginePool, PoolError, actor_name, init_ray, namespace
+    from rollstream.producer.fleet.pool import EnginePool, PoolError, actor_name, init_ray, namespace
 
     address = address or settings.ray.address
     if not foreground and not address and not stop_engines:
@@ -161,7 +161,7 @@ class SilentEngines:
         self.warned: set[int] = set()
 
     def note(self, healths: list[Any]) -> None:
-        from rollstream.producer.pool import describe_needs
+        from rollstream.producer.fleet.pool import describe_needs
 
         now = time.monotonic()
         for i, health in enumerate(healths):
@@ -191,7 +191,7 @@ def scale_engines(
     the engines left)."""
     import ray
 
-    from rollstream.producer.pool import EnginePool, create_engine, describe_needs, remove_engine
+    from rollstream.producer.fleet.pool import EnginePool, create_engine, describe_needs, remove_engine
 
     current = len(pool.handles)
     if target > current:
@@ -275,7 +275,7 @@ def engines_scale(
     ``wait`` wait until it serves them; without an engines process (detached engines)
     scale here. `rollstream engines scale --min A --max B` sets the autoscale rule the
     engines process follows instead."""
-    from rollstream.producer.pool import EnginePool, PoolError, init_ray
+    from rollstream.producer.fleet.pool import EnginePool, PoolError, init_ray
 
     client = connect(settings.redis)
     keys = Keys(settings.run)

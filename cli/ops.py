@@ -82,7 +82,7 @@ def check(settings: Settings, *, engines: bool = False) -> int:
         print(f"warning: {risk}")
     if not engines:
         return 0
-    from rollstream.producer.pool import EnginePool, PoolError, init_ray
+    from rollstream.producer.fleet.pool import EnginePool, PoolError, init_ray
 
     address = settings.ray.address or RunControl(client, Keys(settings.run)).ray_address()
     if not address:

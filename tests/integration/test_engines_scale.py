@@ -11,7 +11,7 @@ import ray
 import redis
 
 from rollstream.cli.commands import engines_scale
-from rollstream.producer.pool import EnginePool, actor_name, engine_indices, namespace
+from rollstream.producer.fleet.pool import EnginePool, actor_name, engine_indices, namespace
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys

@@ -238,7 +238,7 @@ def test_the_settings_tree_reaches_few_modules_on_the_produce_path() -> None:
     assert "rollstream.producer.assembly" in hits
     assert "rollstream.producer.worker" not in hits  # issue 33: the produce loop takes its parts
     assert len(hits) <= reach.LIMIT == 8, hits
-    narrow = ("shared.buffer", "producer.group", "producer.pool", "producer.engines")
+    narrow = ("shared.buffer", "producer.group", "producer.fleet", "producer.engines")
     assert not [name for name in hits if name.removeprefix("rollstream.").startswith(narrow)], hits
 
 

@@ -19,8 +19,8 @@ import pytest
 from rollstream.producer import engines
 from rollstream.producer.engines import EngineSettings, SamplingParams, make_engine
 from rollstream.producer.filters import load_filter
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.judges import load_judge
-from rollstream.producer.pool import LocalPool
 from rollstream.producer.tokenizer import BytesTokenizer, make_tokenizer
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.plugins import import_object, load_callable
