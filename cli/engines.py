@@ -12,13 +12,13 @@ from typing import Any
 import redis
 
 from rollstream.cli.process import running, stop_on_signals, wait_until_gone
+from rollstream.producer.fleet.scaling import EngineCount
 from rollstream.shared import telemetry
 from rollstream.shared.connection import connect
 from rollstream.shared.errors import CorruptValueError, SettingsError
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.liveness import Heartbeat, live_processes
-from rollstream.shared.scaling import EngineCount
 from rollstream.shared.settings import Settings
 from rollstream.shared.status import run_status
 from rollstream.shared.waiting import NotYet, wait_until
@@ -239,12 +239,12 @@ def scale_engines(
 def autoscale_step(settings: Settings, pool: Any, count: EngineCount, client: redis.Redis) -> int | None:
     """One look of the run's autoscale rule (`rollstream engines scale --min A --max B`):
     one engine more while the engines are busy and work waits for producers, one fewer
-    while they idle (shared/scaling.py ``autoscale_target``); asks for it as `engines
+    while they idle (producer/fleet/scaling.py ``autoscale_target``); asks for it as `engines
     scale` does. Returns the count it wants, None without a rule."""
     import statistics
 
+    from rollstream.producer.fleet.scaling import autoscale_target
     from rollstream.shared.keys import ABORTED, EVALS, EXPIRED, PROMPTS
-    from rollstream.shared.scaling import autoscale_target
 
     rule = count.autoscale()
     if rule is None:

@@ -12,9 +12,9 @@ import redis
 
 from rollstream.cli.engines import SCALE_POLL_S, join_ray, serving_settings
 from rollstream.cli.process import Process, cold_stop, running, stop_on_signals, wait_until_gone
+from rollstream.producer.fleet.scaling import EngineCount
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import Keys, Role
-from rollstream.shared.scaling import EngineCount
 from rollstream.shared.settings import Settings
 from rollstream.shared.waiting import NotYet, wait_until
 

@@ -12,10 +12,10 @@ import redis
 
 from rollstream.cli.commands import autoscale_step
 from rollstream.producer.engines.base import EngineHealth
+from rollstream.producer.fleet.scaling import ENGINES_AUTOSCALE, EngineCount, autoscale_target
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import Keys
 from rollstream.shared.runconfig import open_buffer
-from rollstream.shared.scaling import ENGINES_AUTOSCALE, EngineCount, autoscale_target
 from tests.conftest import SettingsFactory
 from tests.helpers import prompts
 
