@@ -10,8 +10,9 @@ from typing import Any
 
 import redis
 
-from rollstream.cli.engines import SCALE_POLL_S, join_ray, serving_settings
+from rollstream.cli.engines import join_ray, serving_settings
 from rollstream.cli.process import Process, cold_stop, running, stop_on_signals, wait_until_gone
+from rollstream.producer.fleet.autoscale import SCALE_POLL_S
 from rollstream.producer.fleet.scaling import EngineCount
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import Keys, Role

@@ -27,7 +27,7 @@ from rollstream.shared.settings import load_settings
 PRODUCER = Path(__file__).resolve().parents[2] / "producer"
 NARROW = [
     "group.py", "fleet/pool.py", "fleet/actors.py", "completions.py", "judging.py", "heartbeat.py",
-    "progress.py", "worker.py",
+    "progress.py", "worker.py", "fleet/autoscale.py",
 ]  # fmt: skip
 
 
