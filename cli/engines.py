@@ -14,6 +14,7 @@ from typing import Any
 import redis
 
 from rollstream.cli.process import running, stop_on_signals, wait_until_gone
+from rollstream.cli.status import run_status
 from rollstream.producer.fleet.autoscale import (
     AUTOSCALE_S,
     SCALE_POLL_S,
@@ -29,7 +30,6 @@ from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.liveness import Heartbeat, live_processes
 from rollstream.shared.settings import Settings
-from rollstream.shared.status import run_status
 from rollstream.shared.waiting import NotYet, wait_until
 
 log = logging.getLogger("rollstream")
