@@ -9,7 +9,7 @@ what that costs in groups per second on this machine's disk.
 
 The same cycle on a primary with one replica (no append-only file), the trainer's reads
 and commits waiting for the replica (redis.wait_replicas 1: WAIT behind a write of its
-own, shared/replication.py) or not: the ratio wait / no wait is what a failover-proof
+own, consumer/replication.py) or not: the ratio wait / no wait is what a failover-proof
 commit costs (README "Redis high availability").
 
     python bench/durability.py [--groups 600] [--repeats 3] [--quick]
@@ -27,10 +27,10 @@ from typing import Any
 import redis
 from common import RESULTS, show, spread, write_json
 
+from rollstream.consumer.replication import wait_for_replicas
 from rollstream.shared.embedded import find_redis_server, free_port
 from rollstream.shared.keys import TRAINER_CONSUMER
 from rollstream.shared.records import Group, Prompt, Sample
-from rollstream.shared.replication import wait_for_replicas
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
 

@@ -51,7 +51,7 @@ from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.producer.assembly import build_producer
 from rollstream.producer.engines.sim import SimEngine
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.settings import Settings, load_settings

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from rollstream.producer import worker
 from rollstream.producer.assembly import build_producer
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.shared.connection import connect
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.liveness import Liveness

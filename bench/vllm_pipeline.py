@@ -79,7 +79,7 @@ from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.producer.engines.base import Engine, SamplingParams
-from rollstream.producer.host import EngineHost
+from rollstream.producer.fleet.host import EngineHost
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import STOP, RunControl
@@ -578,7 +578,7 @@ class Direct:
     the producer, Redis and the trainer (rollstream / actor)."""
 
     def __init__(self, settings: Settings, p: Params, client: redis.Redis) -> None:
-        from rollstream.producer.pool import EnginePool, init_ray
+        from rollstream.producer.fleet.pool import EnginePool, init_ray
 
         self.p = p
         init_ray(RunControl(client, Keys(settings.run)).ray_address())

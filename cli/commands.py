@@ -5,24 +5,20 @@ the dispatch to these cli.dispatch. This module keeps the names it held importab
 
 from __future__ import annotations
 
-from rollstream.cli.engines import (
+from rollstream.cli.engines import engines, engines_scale, join_ray, serving_settings, with_engine_count
+from rollstream.cli.feed import FEED_PART, feed, run_feeder
+from rollstream.cli.ops import check, control, dead_letter, format_status, redis_server, status, steps
+from rollstream.cli.produce import _watch_ray_address, judge, produce
+from rollstream.cli.train import train
+from rollstream.producer.fleet.autoscale import (
     AUTOSCALE_S,
     DRAIN_S,
     SCALE_POLL_S,
     SILENT_WARNING_S,
     SilentEngines,
     autoscale_step,
-    engines,
-    engines_scale,
-    join_ray,
     scale_engines,
-    serving_settings,
-    with_engine_count,
 )
-from rollstream.cli.feed import FEED_PART, feed, run_feeder
-from rollstream.cli.ops import check, control, dead_letter, format_status, redis_server, status, steps
-from rollstream.cli.produce import _watch_ray_address, judge, produce
-from rollstream.cli.train import train
 
 __all__ = [
     "AUTOSCALE_S",

@@ -33,7 +33,7 @@ from rollstream.cli.process import cold_stop, stop_on_signals
 from rollstream.consumer.assembly import create_trainer
 from rollstream.consumer.trainer import StepLog
 from rollstream.producer.assembly import build_producer
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.recipes import learning, reverse
 from rollstream.recipes.prompts import example_prompts

@@ -9,10 +9,10 @@ import logging
 import os
 from typing import Any
 
+from rollstream.cli.logs import setup_logging
 from rollstream.cli.process import stop_on_signals
 from rollstream.shared.errors import InputError
 from rollstream.shared.keys import Keys
-from rollstream.shared.logs import setup_logging
 from rollstream.shared.settings import ProducerSettings, Settings, load_settings
 
 # rollstream proxy judges with the agents' reported rewards unless producer.judge is set

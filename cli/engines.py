@@ -1,5 +1,7 @@
 """`rollstream engines`: the run's engine actors on Ray, kept, scaled (by hand or by the
-autoscale rule) and removed; and joining Ray with SIGTERM left to this process."""
+autoscale rule) and removed; and joining Ray with SIGTERM left to this process. How the
+fleet scales (the autoscale rule, draining, the silent-engine warning) is
+producer/fleet/autoscale.py's; this module reads the settings and runs the process."""
 
 from __future__ import annotations
 
@@ -12,23 +14,25 @@ from typing import Any
 import redis
 
 from rollstream.cli.process import running, stop_on_signals, wait_until_gone
+from rollstream.cli.status import run_status
+from rollstream.producer.fleet.autoscale import (
+    AUTOSCALE_S,
+    SCALE_POLL_S,
+    SilentEngines,
+    autoscale_step,
+    scale_engines,
+)
+from rollstream.producer.fleet.scaling import EngineCount
 from rollstream.shared import telemetry
 from rollstream.shared.connection import connect
 from rollstream.shared.errors import CorruptValueError, SettingsError
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.liveness import Heartbeat, live_processes
-from rollstream.shared.scaling import EngineCount
 from rollstream.shared.settings import Settings
-from rollstream.shared.status import run_status
 from rollstream.shared.waiting import NotYet, wait_until
 
 log = logging.getLogger("rollstream")
-
-SCALE_POLL_S = 1.0  # how often the engines process and producers look at the run's engine counts
-DRAIN_S = 120.0  # the longest a scaled-in engine has to finish its groups before it is removed
-SILENT_WARNING_S = 10.0  # an engine that does not answer this long is warned about, once
-AUTOSCALE_S = 30.0  # how often the engines process applies the run's autoscale rule
 
 
 def engines(
@@ -41,7 +45,7 @@ def engines(
 
     import ray
 
-    from rollstream.producer.pool import EnginePool, PoolError, actor_name, init_ray, namespace
+    from rollstream.producer.fleet.pool import EnginePool, PoolError, actor_name, init_ray, namespace
 
     address = address or settings.ray.address
     if not foreground and not address and not stop_engines:
@@ -61,7 +65,7 @@ def engines(
         print(f"stopped {killed} engine actors of run {settings.run!r}")
         return 0
     pool: list[EnginePool] = []
-    silent = SilentEngines(settings)
+    silent = SilentEngines(settings.engines)
 
     def detail() -> dict[str, Any]:
         if not pool or stop.is_set():  # no probing of actors that are being removed
@@ -104,13 +108,15 @@ def engines(
                 if time.monotonic() >= next_autoscale:
                     next_autoscale = time.monotonic() + AUTOSCALE_S
                     try:
-                        autoscale_step(settings, pool[0], count, process.client)
+                        autoscale_step(pool[0], count, lambda: prompts_waiting(process.client, settings.run))
                     except (redis.RedisError, CorruptValueError) as exc:
                         log.warning("engines: autoscale skipped: %s", exc)
                 with contextlib.suppress(redis.RedisError):
                     wanted = count.wanted()
                     if wanted is not None and wanted != len(pool[0].handles):
-                        scale_engines(settings, pool[0], count, wanted, stop, detached=False)
+                        scale_engines(
+                            settings.run, settings.engines, pool[0], count, wanted, stop, detached=False
+                        )
             # producers stopping at the same time still hand their in-flight groups back
             # through the engines: keep them until the producers are gone (bounded)
             wait_until_gone(process, (Role.PRODUCER,))
@@ -151,115 +157,13 @@ def _node_of(where: dict[str, Any] | None) -> str | None:
     return str(where["labels"].get("node") or f"{where['ip']}/{where['node_id'][:8]}")
 
 
-class SilentEngines:
-    """Warns once when an engine stops answering (its node died, it is restarting) and
-    says when it answers again: Ray re-creates it on a node with what it needs."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.since: dict[int, float] = {}
-        self.warned: set[int] = set()
-
-    def note(self, healths: list[Any]) -> None:
-        from rollstream.producer.pool import describe_needs
-
-        now = time.monotonic()
-        for i, health in enumerate(healths):
-            if health is not None:
-                if i in self.warned:
-                    log.info("engines: engine %d answers again", i)
-                self.since.pop(i, None)
-                self.warned.discard(i)
-                continue
-            first = self.since.setdefault(i, now)
-            if now - first >= SILENT_WARNING_S and i not in self.warned:
-                self.warned.add(i)
-                log.warning(
-                    "engines: engine %d has not answered for %.0f s (its node gone?): Ray re-creates it "
-                    "(engines.max_restarts %d) on a node with %s, and waits for one; producers send "
-                    "its groups to the other engines meanwhile",
-                    i, now - first, self.settings.engines.max_restarts, describe_needs(self.settings.engines),
-                )  # fmt: skip
-
-
-def scale_engines(
-    settings: Settings, pool: Any, count: EngineCount, target: int, stop: threading.Event, *, detached: bool
-) -> None:
-    """Grow the run's engines to ``target`` (new actors, announced once they answer) or
-    shrink them (announced first, so that producers stop sending them work; drained up to
-    DRAIN_S, then removed: what they still hold fails there and producers retry it on
-    the engines left)."""
-    import ray
-
-    from rollstream.producer.pool import EnginePool, create_engine, describe_needs, remove_engine
-
-    current = len(pool.handles)
-    if target > current:
-        log.info("engines: scaling out from %d to %d engines", current, target)
-        new = [
-            create_engine(settings.run, settings.engines, i, detached=detached)
-            for i in range(current, target)
-        ]
-        calls = [h.health.remote() for h in new]
-        started, warned = time.monotonic(), False
-        while not stop.is_set():
-            _, waiting = ray.wait(calls, num_returns=len(calls), timeout=SCALE_POLL_S)
-            if not waiting:
-                break
-            if not warned and time.monotonic() - started > SILENT_WARNING_S:
-                warned = True
-                log.warning("engines: %d new engines wait for a Ray node with %s (see `ray status`)",
-                            len(waiting), describe_needs(settings.engines))  # fmt: skip
-        else:
-            return
-        pool.resize(pool.handles + new)
-        count.set_serving(target)
-        log.info("engines: %d engines serving", target)
-    elif target < current:
-        leaving = EnginePool(settings.run, pool.handles[target:])
-        count.set_serving(target)  # producers send them no new work from now
-        pool.resize(pool.handles[:target])
-        log.info("engines: scaling in from %d to %d engines: draining %d", current, target, current - target)
-        deadline = time.monotonic() + DRAIN_S
-        stop.wait(2 * SCALE_POLL_S + 1)  # the producers' next look at the count
-        while time.monotonic() < deadline and not stop.is_set():
-            busy = [h for h in leaving.probe(timeout_s=1.0) if h is not None and h.outstanding]
-            if not busy:
-                break
-            stop.wait(0.5)
-        else:
-            log.warning("engines: the engines scaled in still had requests after %.0f s: removed anyway, "
-                        "producers retry them on the engines left", DRAIN_S)  # fmt: skip
-        for i in range(target, current):
-            remove_engine(settings.run, i)
-        pool.forget_retired()
-        log.info("engines: %d engines serving", target)
-
-
-def autoscale_step(settings: Settings, pool: Any, count: EngineCount, client: redis.Redis) -> int | None:
-    """One look of the run's autoscale rule (`rollstream engines scale --min A --max B`):
-    one engine more while the engines are busy and work waits for producers, one fewer
-    while they idle (shared/scaling.py ``autoscale_target``); asks for it as `engines
-    scale` does. Returns the count it wants, None without a rule."""
-    import statistics
-
+def prompts_waiting(client: redis.Redis, run: str) -> int:
+    """The entries in the run's pools that no producer has taken yet: what the autoscale
+    rule (producer/fleet/autoscale.py) weighs against the engines' busy fraction."""
     from rollstream.shared.keys import ABORTED, EVALS, EXPIRED, PROMPTS
-    from rollstream.shared.scaling import autoscale_target
 
-    rule = count.autoscale()
-    if rule is None:
-        return None
-    healths = [h for h in pool.probe(timeout_s=2.0) if h is not None]
-    busy = statistics.fmean(h.busy_fraction for h in healths) if healths else None
-    status = run_status(client, Keys(settings.run))
-    lag = sum(s.lag for s in status.streams if s.kind in (PROMPTS, ABORTED, EXPIRED, EVALS))
-    current = len(pool.handles)
-    target = autoscale_target(current, rule[0], rule[1], busy, lag)
-    if target != current:
-        log.info("engines: autoscale (min %d, max %d): busy %s, %d prompts waiting: %d -> %d engines",
-                 rule[0], rule[1], "-" if busy is None else f"{busy:.2f}", lag, current, target)  # fmt: skip
-        count.want(target)
-    return target
+    status = run_status(client, Keys(run))
+    return sum(s.lag for s in status.streams if s.kind in (PROMPTS, ABORTED, EXPIRED, EVALS))
 
 
 def engines_scale(
@@ -275,7 +179,7 @@ def engines_scale(
     ``wait`` wait until it serves them; without an engines process (detached engines)
     scale here. `rollstream engines scale --min A --max B` sets the autoscale rule the
     engines process follows instead."""
-    from rollstream.producer.pool import EnginePool, PoolError, init_ray
+    from rollstream.producer.fleet.pool import EnginePool, PoolError, init_ray
 
     client = connect(settings.redis)
     keys = Keys(settings.run)
@@ -312,7 +216,7 @@ def engines_scale(
     init_ray(address)
     pool = EnginePool.attach(settings.run, serving_settings(settings, client).engines.count)
     assert pool is not None
-    scale_engines(settings, pool, count, target, stop, detached=True)
+    scale_engines(settings.run, settings.engines, pool, count, target, stop, detached=True)
     print(f"run {settings.run!r}: {target} engines serving")
     return 0
 

@@ -124,8 +124,8 @@ def _wrong_types(exc: redis.ResponseError) -> str:
     there (the reply does not name the key); '' when that cannot be told."""
     if "WRONGTYPE" not in str(exc) or not _LOADED:
         return ""
+    from rollstream.cli.status import wrong_types
     from rollstream.shared.connection import connect
-    from rollstream.shared.status import wrong_types
 
     try:
         client = connect(_LOADED[0].redis, check=False, ride_out=False)

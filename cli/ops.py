@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from rollstream.cli.engines import serving_settings
+from rollstream.cli.status import RunStatus, run_status
 from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
 from rollstream.shared.connection import check_server, connect, eviction_risk
 from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
@@ -20,7 +21,6 @@ from rollstream.shared.events import CONTROL_EVENTS, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, TRAIN_STEP, Keys
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, redact_url
-from rollstream.shared.status import RunStatus, run_status
 
 log = logging.getLogger("rollstream")
 
@@ -82,7 +82,7 @@ def check(settings: Settings, *, engines: bool = False) -> int:
         print(f"warning: {risk}")
     if not engines:
         return 0
-    from rollstream.producer.pool import EnginePool, PoolError, init_ray
+    from rollstream.producer.fleet.pool import EnginePool, PoolError, init_ray
 
     address = settings.ray.address or RunControl(client, Keys(settings.run)).ray_address()
     if not address:

@@ -10,11 +10,12 @@ from typing import Any
 
 import redis
 
-from rollstream.cli.engines import SCALE_POLL_S, join_ray, serving_settings
+from rollstream.cli.engines import join_ray, serving_settings
 from rollstream.cli.process import Process, cold_stop, running, stop_on_signals, wait_until_gone
+from rollstream.producer.fleet.autoscale import SCALE_POLL_S
+from rollstream.producer.fleet.scaling import EngineCount
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import Keys, Role
-from rollstream.shared.scaling import EngineCount
 from rollstream.shared.settings import Settings
 from rollstream.shared.waiting import NotYet, wait_until
 
@@ -29,7 +30,7 @@ def produce(
     import asyncio
 
     from rollstream.producer.assembly import build_producer
-    from rollstream.producer.pool import BasePool, EnginePool, LocalPool, PoolError
+    from rollstream.producer.fleet.pool import BasePool, EnginePool, LocalPool, PoolError
 
     with running(settings, Role.PRODUCER, stop, heartbeat=False, follow=False, mode=settings.rollout.mode,
                  engines="local" if local_engines else settings.engines.kind) as process:  # fmt: skip
@@ -92,7 +93,7 @@ def _follow_engine_count(process: Process, pool: Any, loop: Any, stop: threading
     (found by name), those scaled in get no new work."""
     import ray
 
-    from rollstream.producer.pool import actor_name, namespace
+    from rollstream.producer.fleet.pool import actor_name, namespace
 
     count = EngineCount(process.client, Keys(process.run))
     while not stop.wait(SCALE_POLL_S):

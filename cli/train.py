@@ -13,12 +13,12 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
+from rollstream.cli.logs import on_terminal
 from rollstream.cli.process import Process, cold_stop, running
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.shared.errors import InputError, SettingsError
 from rollstream.shared.events import STOP
 from rollstream.shared.keys import Role
-from rollstream.shared.logs import on_terminal
 from rollstream.shared.settings import Settings, redact_url
 
 log = logging.getLogger("rollstream")

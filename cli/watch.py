@@ -2,7 +2,7 @@
 refreshes and the warnings an operator acts on; plain blocks of lines when the output is
 not a terminal (a log file, a pipe), the same figures in each.
 
-A refresh reads what ``rollstream status`` reads (shared/status.py); Redis not
+A refresh reads what ``rollstream status`` reads (cli/status.py); Redis not
 answering is a warning line of its own, and the watch goes on.
 """
 
@@ -19,10 +19,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from rollstream.cli.status import RunStatus, run_status
 from rollstream.shared.connection import connect
 from rollstream.shared.keys import GROUPS, Count, Keys, Role
 from rollstream.shared.settings import Settings, redact_url
-from rollstream.shared.status import RunStatus, run_status
 
 STUCK_AFTER_S = 120.0  # no train step for this long while groups wait: a warning
 

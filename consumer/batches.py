@@ -13,7 +13,7 @@ step; a trainer that dies before that gets the same groups again after a restart
 With ``redis.wait_replicas`` N > 0 a batch is handed out only once N replicas hold the
 reads that made it (a failover can then not forget that this trainer holds them, and
 deliver them again to be trained twice), and ``commit()`` returns only once N replicas
-hold the commit (shared/replication.py).
+hold the commit (consumer/replication.py).
 
 A reader takes its parts (the replay buffer, the run's control) and a ReaderPlan of the
 numbers it uses; consumer/assembly.py builds them from the settings (``create_reader``).
@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import redis
 
+from rollstream.consumer.replication import wait_for_replicas
 from rollstream.shared.buffer import Batch, BatchItem, ReplayBuffer
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import GROUPS, TRAINER
 from rollstream.shared.records import Group
-from rollstream.shared.replication import wait_for_replicas
 from rollstream.shared.settings import RedisSettings
 from rollstream.shared.streams import Entry, text
 

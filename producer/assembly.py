@@ -21,10 +21,10 @@ import redis
 from rollstream.producer.agents.base import AgentConfig
 from rollstream.producer.agents.registry import load_agent
 from rollstream.producer.filters import load_filter, load_should_continue
+from rollstream.producer.fleet.pool import BasePool, LocalPool
 from rollstream.producer.group import GroupRunner
 from rollstream.producer.judges.registry import load_judge
 from rollstream.producer.judges.rq import RQJudge
-from rollstream.producer.pool import BasePool, LocalPool
 from rollstream.producer.tokenizer import make_tokenizer
 from rollstream.producer.worker import Producer, ProducerPlan
 from rollstream.shared.buffer import ReplayBuffer, default_consumer_name

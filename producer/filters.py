@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import cast
 
+from rollstream.producer.plugins import load_callable
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.plugins import load_callable
 from rollstream.shared.records import Group, Prompt, Sample
 
 __all__ = [

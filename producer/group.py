@@ -26,10 +26,10 @@ from rollstream.producer.agents.base import Agent, AgentConfig, Request, Rollout
 from rollstream.producer.agents.single import SingleTurnAgent
 from rollstream.producer.completions import Completions, settle_off_loop
 from rollstream.producer.engines.base import FINISH_LENGTH, Generation, SamplingParams
+from rollstream.producer.fleet.pool import BasePool
 from rollstream.producer.judges.base import Judge, JudgeError, apply_rewards
 from rollstream.producer.judges.rq import RQJudge
 from rollstream.producer.judging import MAX_CAUSES, JudgeFailures, SerialThread
-from rollstream.producer.pool import BasePool
 from rollstream.producer.tokenizer import Tokenizer
 from rollstream.shared.buffer import Claim, ReplayBuffer
 from rollstream.shared.errors import SettingsError

@@ -23,7 +23,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-from rollstream.producer.actors import init_ray
+from rollstream.producer.fleet.actors import init_ray
 
 __all__ = ["init_ray_keeping_signals", "signals_kept_from_ray"]
 
@@ -56,7 +56,7 @@ def signals_kept_from_ray() -> Iterator[None]:
 
 
 def init_ray_keeping_signals(address: str = "", *, local: bool = False) -> str:
-    """``init_ray`` (producer/actors.py) with this process's SIGTERM and SIGINT left as
+    """``init_ray`` (producer/fleet/actors.py) with this process's SIGTERM and SIGINT left as
     they are (``signals_kept_from_ray``); returns the cluster's GCS address."""
     with signals_kept_from_ray():
         return init_ray(address, local=local)

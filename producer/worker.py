@@ -31,9 +31,9 @@ from typing import Literal
 
 from rollstream.producer.failures import FailureLog, why
 from rollstream.producer.filters import ShouldContinue
+from rollstream.producer.fleet.pool import BasePool
 from rollstream.producer.group import GroupRunner, Window
 from rollstream.producer.heartbeat import keep_beating, producer_heartbeat, stop_beating
-from rollstream.producer.pool import BasePool
 from rollstream.producer.progress import METRICS_CAP, ProducerStats, metrics_record, report_progress
 from rollstream.shared.allocation import over_sample_budget
 from rollstream.shared.buffer import Claim, ReplayBuffer

@@ -243,7 +243,7 @@ def run_learning(
     import torch
 
     from rollstream.consumer.pg import PolicyGradient
-    from rollstream.producer.pool import EnginePool
+    from rollstream.producer.fleet.pool import EnginePool
     from rollstream.producer.ray_signals import init_ray_keeping_signals
 
     started = time.monotonic()

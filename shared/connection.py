@@ -15,9 +15,9 @@ a replica while a connection to it stayed open) closes the connection and is ret
 the new primary; with a plain URL whose name moves to the new primary (a managed Redis),
 READONLY is retried the same way. A command refused with READONLY wrote nothing.
 
-With ``redis.wait_replicas`` N > 0, :func:`wait_for_replicas` makes what a connection
-wrote durable on N replicas (WAIT) before the caller goes on: the trainer's read and
-commit use it (README "Redis high availability").
+With ``redis.wait_replicas`` N > 0, ``wait_for_replicas`` (consumer/replication.py) makes
+what a connection wrote durable on N replicas (WAIT) before the caller goes on: the
+trainer's read and commit use it (README "Redis high availability").
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class EngineSettings(BaseModel):
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per engine actor")
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs per engine actor")
     max_restarts: int = Field(default=3, ge=-1, description="restarts of a dead actor (-1: forever)")
-    # Where the engine actors run on a Ray cluster (producer/pool.py placement)
+    # Where the engine actors run on a Ray cluster (producer/fleet/pool.py placement)
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources per engine actor, as nodes offer them (`ray start --resources`)",

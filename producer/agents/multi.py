@@ -49,8 +49,8 @@ from rollstream.producer.agents.base import (
 from rollstream.producer.agents.loop import COMMON_OPTIONS, TurnLoop
 from rollstream.producer.agents.text import TurnText
 from rollstream.producer.engines.base import Generation
+from rollstream.producer.plugins import import_object
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.plugins import import_object
 from rollstream.shared.records import ENV, MODEL, Prompt
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from rollstream.producer.agents.multi import MultiTurnAgent
 from rollstream.producer.agents.proxy import ProxyAgent
 from rollstream.producer.agents.single import SingleTurnAgent
 from rollstream.producer.agents.tools import ToolAgent
+from rollstream.producer.plugins import import_object
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.plugins import import_object
 
 BUILTIN_AGENTS: Mapping[str, Callable[[AgentConfig], Agent]] = {
     "single_turn": SingleTurnAgent,

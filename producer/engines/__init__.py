@@ -80,7 +80,7 @@ def make_engine(settings: EngineSettings) -> Engine:
     elif "." not in kind and ":" not in kind:
         raise _invalid(f"{kind!r} is not a built-in engine and not a dotted path")
     else:
-        from rollstream.shared.plugins import import_object
+        from rollstream.producer.plugins import import_object
 
         try:
             factory = import_object(kind, "engine")

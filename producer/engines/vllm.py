@@ -12,7 +12,7 @@ weights that sampled it. What vLLM is handed (engine arguments, environment, sam
 parameters) and what is read back (logprobs, the scheduler's counts) is
 producer/engines/vllm_args.py.
 
-Weight syncs (producer/host.py): ``pause`` keeps running requests and their KV cache
+Weight syncs (producer/fleet/host.py): ``pause`` keeps running requests and their KV cache
 (``pause_generation(mode="keep")``); ``update_weights`` reloads the trainer's
 published safetensors in place through a worker extension (producer/engines/
 vllm_worker.py: it also fixes the tied-embedding reload) and labels the weights
@@ -25,7 +25,7 @@ fail with EngineError, health says unhealthy, and in a Ray actor the engine ends
 actor's process a moment later (after the failed replies are out), so that Ray
 restarts the actor (``engines.max_restarts``) with a fresh engine — as vLLM's own
 API server exits when its engine dies. The restarted engine is at model step 0 and
-is brought to the run's weights before it serves (StaleWeights, producer/host.py).
+is brought to the run's weights before it serves (StaleWeights, producer/fleet/host.py).
 
 With ``engines.vllm.self_check``, the engine's greedy output must equal
 transformers' on the same weights before its first request and after every weight

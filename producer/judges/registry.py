@@ -2,7 +2,7 @@
 
 A spec is a built-in name ("math", "exact", "regex", "reverse") or a dotted path,
 "package.module:attr" or "package.module.attr", loaded by the plug-in loader
-(rollstream.shared.plugins). A class found there is instantiated with no arguments; a
+(rollstream.producer.plugins). A class found there is instantiated with no arguments; a
 function or callable object is used as it is. Every failure is a SettingsError that
 names the spec and what is wrong with it, since a spec comes from the settings and
 fails once, at start-up.
@@ -17,8 +17,8 @@ from rollstream.producer.judges.base import Judge
 from rollstream.producer.judges.match import ExactMatchJudge, RegexJudge
 from rollstream.producer.judges.math import MathJudge
 from rollstream.producer.judges.reverse import ReverseJudge
+from rollstream.producer.plugins import load_callable
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.plugins import load_callable
 
 BUILTIN_JUDGES: Mapping[str, Callable[[], Judge]] = {
     "math": MathJudge,

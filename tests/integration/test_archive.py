@@ -392,8 +392,8 @@ def test_export_writes_sft_and_preference_jsonl_that_datasets_loads(
 def test_groups_kept_for_the_archiver_are_neither_waiting_nor_lag(
     real_buffer: BufferFactory, tmp_path: Path
 ) -> None:
+    from rollstream.cli.status import run_status
     from rollstream.shared.runmetrics import RunCollector, stream_metric
-    from rollstream.shared.status import run_status
 
     settings = _archive_settings(tmp_path)
     producer = real_buffer("p1", **settings)

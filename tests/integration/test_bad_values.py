@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from rollstream.cli.status import run_status
 from rollstream.consumer.assembly import create_coordinator
 from rollstream.shared import codec
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys
-from rollstream.shared.status import run_status
 from tests.conftest import SettingsFactory
 from tests.helpers import group_for, prompts
 

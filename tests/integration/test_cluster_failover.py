@@ -19,13 +19,13 @@ from typing import Any
 import orjson
 import pytest
 
+from rollstream.cli.status import stream_keys
+from rollstream.consumer.replication import wait_for_replicas
 from rollstream.shared.connection import connect
 from rollstream.shared.keys import REPLICATED, TRAIN_STEP, Keys
 from rollstream.shared.liveness import Liveness, live_processes
-from rollstream.shared.replication import wait_for_replicas
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings, load_settings
-from rollstream.shared.status import stream_keys
 from tests.ha import Cluster
 from tests.helpers import group_for, prompts, wait_for
 from tests.integration.test_cluster import ROOT, _cli

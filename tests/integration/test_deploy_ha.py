@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from rollstream.consumer.replication import wait_for_replicas
 from rollstream.shared import telemetry
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import find_redis_server
 from rollstream.shared.errors import ReplicasBehind
 from rollstream.shared.keys import Keys
-from rollstream.shared.replication import wait_for_replicas
 from rollstream.shared.settings import RedisSettings
 from tests.helpers import unshared_port, wait_for
 

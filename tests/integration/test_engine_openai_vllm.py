@@ -36,7 +36,7 @@ require("transformers", "hf")
 
 from rollstream.producer.engines.base import FINISH_ABORT, FINISH_LENGTH, EngineError, SamplingParams
 from rollstream.producer.engines.openai import WORKER_EXTENSION, OpenAIEngine
-from rollstream.producer.host import EngineHost
+from rollstream.producer.fleet.host import EngineHost
 from rollstream.shared.embedded import free_port
 from rollstream.shared.settings import HTTPEngineSettings
 from tests.helpers import wait_for, wait_for_async

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from rollstream.producer.engines.base import SamplingParams
-from rollstream.producer.pool import EnginePool
+from rollstream.producer.fleet.pool import EnginePool
 from rollstream.shared.settings import load_settings
 from tests.helpers import wait_for
 

@@ -43,7 +43,7 @@ from rollstream.producer.engines.base import (
     Generation,
     SamplingParams,
 )
-from rollstream.producer.pool import EnginePool, PoolResult
+from rollstream.producer.fleet.pool import EnginePool, PoolResult
 from rollstream.shared.settings import load_settings
 from tests.helpers import wait_for_async
 from tests.hf_fixtures import (

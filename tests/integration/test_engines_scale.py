@@ -11,11 +11,11 @@ import ray
 import redis
 
 from rollstream.cli.commands import engines_scale
-from rollstream.producer.pool import EnginePool, actor_name, engine_indices, namespace
+from rollstream.producer.fleet.pool import EnginePool, actor_name, engine_indices, namespace
+from rollstream.producer.fleet.scaling import ENGINES_SERVING, EngineCount
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys
-from rollstream.shared.scaling import ENGINES_SERVING, EngineCount
 from tests.conftest import SettingsFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from rollstream.cli.status import run_status, stream_keys
 from rollstream.consumer.assembly import create_trainer
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.trainer import TrainLog
@@ -30,7 +31,6 @@ from rollstream.shared.events import WEIGHT_SYNC
 from rollstream.shared.keys import GROUP_OF_KIND, Count, Keys, progress_field
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
-from rollstream.shared.status import run_status, stream_keys
 from rollstream.shared.streams import text
 from tests.ha import SentinelSet
 from tests.helpers import group_for, prompts, wait_for

@@ -11,9 +11,9 @@ import pytest
 
 from rollstream.producer.engines.base import EngineHealth, Generation, SamplingParams
 from rollstream.producer.filters import keep_all
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.group import COMPLETED, FAILED, GroupRunner
 from rollstream.producer.judges.registry import load_judge
-from rollstream.producer.pool import LocalPool
 from rollstream.producer.tokenizer import BytesTokenizer
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE

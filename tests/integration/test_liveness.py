@@ -16,6 +16,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from rollstream.cli.status import TaskAccount, run_status
 from rollstream.shared.connection import wait_for_redis
 from rollstream.shared.embedded import EmbeddedRedis, free_port
 from rollstream.shared.errors import RedisUnavailable, WaitTimeout
@@ -23,7 +24,6 @@ from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, Event, Ev
 from rollstream.shared.keys import Keys
 from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
 from rollstream.shared.settings import RedisSettings
-from rollstream.shared.status import TaskAccount, run_status
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts, wait_for
 

@@ -22,11 +22,11 @@ import orjson
 import pytest
 import redis
 
+from rollstream.producer.fleet.scaling import EngineCount
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.liveness import live_processes
-from rollstream.shared.scaling import EngineCount
 from tests.helpers import rollstream, wait_for
 from tests.raycluster import RayCluster
 

@@ -16,7 +16,7 @@ import pytest
 import ray
 import redis
 
-from rollstream.producer.pool import EnginePool
+from rollstream.producer.fleet.pool import EnginePool
 from rollstream.shared.buffer import Batch
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import WEIGHT_SYNC, RunControl

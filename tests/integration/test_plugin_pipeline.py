@@ -25,7 +25,7 @@ from rollstream.consumer import (
     wait_for_producers,
 )
 from rollstream.producer.assembly import build_producer
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import STOP
 from tests.helpers import prompts

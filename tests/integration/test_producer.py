@@ -17,7 +17,7 @@ import redis
 
 from rollstream.producer.assembly import build_producer
 from rollstream.producer.engines.sim import SimEngine
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.worker import Producer
 from rollstream.shared.buffer import Batch, ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rollstream.producer.engines.base import EngineHealth, Generation, SamplingParams
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.group import (
     COMPLETED,
     FAILED,
@@ -18,7 +19,6 @@ from rollstream.producer.group import (
     GroupFailed,
     prompt_sampling,
 )
-from rollstream.producer.pool import LocalPool
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE, Prompt
 from rollstream.shared.settings import ProducerSettings
 from tests.conftest import BufferFactory

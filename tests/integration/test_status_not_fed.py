@@ -8,10 +8,10 @@ import pytest
 import redis
 
 from rollstream.cli.commands import format_status
+from rollstream.cli.status import TaskAccount, run_status
 from rollstream.shared import codec
 from rollstream.shared.keys import Keys
 from rollstream.shared.records import Prompt
-from rollstream.shared.status import TaskAccount, run_status
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts
 

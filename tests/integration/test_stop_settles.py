@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rollstream.producer.engines.base import FINISH_ABORT, Generation
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.keys import PRODUCERS
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE, Group, Sample

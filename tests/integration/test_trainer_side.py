@@ -18,7 +18,7 @@ from rollstream.consumer.assembly import create_reader
 from rollstream.consumer.progress import ProduceProgress
 from rollstream.consumer.weights import SyncTimeout, publish_weights, wait_for_producers
 from rollstream.producer.assembly import build_producer
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import BatchTimeout

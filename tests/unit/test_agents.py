@@ -525,7 +525,7 @@ def test_the_producer_builds_the_agent_its_settings_name(
 ) -> None:
     from rollstream.producer.agents.multi import MultiTurnAgent
     from rollstream.producer.assembly import build_producer
-    from rollstream.producer.pool import LocalPool
+    from rollstream.producer.fleet.pool import LocalPool
 
     monkeypatch.setenv("ROLLSTREAM_PRODUCER__AGENT", "multi_turn")
     monkeypatch.setenv("ROLLSTREAM_PRODUCER__AGENT_OPTIONS", f'{{"env": "{GUESS}"}}')

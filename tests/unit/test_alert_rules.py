@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rollstream.shared import replication, runmetrics, telemetry
+from rollstream.consumer import replication
+from rollstream.shared import runmetrics, telemetry
 from tests.conftest import CI
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -137,7 +138,7 @@ def test_every_label_the_rules_use_is_one_the_code_gives() -> None:
     assert {"run", "task", "role", "instance", "engine", "reason"} <= used, used
     unknown = {label for label in used - TARGET_LABELS if f'"{label}"' not in code}
     assert not unknown, unknown
-    # the reasons matched are the ones shared/replication.py counts
+    # the reasons matched are the ones consumer/replication.py counts
     counted = set(re.findall(r'replicas_failed\("([a-z_]+)"\)', Path(replication.__file__).read_text()))
     reasons = {m for rule in rules() for m in re.findall(r'reason="([a-z_]+)"', rule["expr"])}
     assert reasons == counted == set(telemetry.REPLICA_WAIT_REASONS) == {"behind", "lost_commit"}

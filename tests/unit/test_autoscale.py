@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import redis
 
-from rollstream.cli.commands import autoscale_step
+from rollstream.cli.engines import prompts_waiting
 from rollstream.producer.engines.base import EngineHealth
+from rollstream.producer.fleet.autoscale import autoscale_step, autoscale_target
+from rollstream.producer.fleet.scaling import ENGINES_AUTOSCALE, EngineCount
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import Keys
 from rollstream.shared.runconfig import open_buffer
-from rollstream.shared.scaling import ENGINES_AUTOSCALE, EngineCount, autoscale_target
 from tests.conftest import SettingsFactory
 from tests.helpers import prompts
 
@@ -69,16 +70,20 @@ def test_the_engines_process_asks_for_one_engine_more_while_busy_with_prompts_wa
     buffer = open_buffer(fake_client, settings, "worker")
     keys = buffer.keys
     count = EngineCount(fake_client, keys)
-    assert autoscale_step(settings, Pool([0.9, 0.95]), count, fake_client) is None  # no rule: nothing
+
+    def waiting() -> int:
+        return prompts_waiting(fake_client, settings.run)
+
+    assert autoscale_step(Pool([0.9, 0.95]), count, waiting) is None  # no rule: nothing
     assert count.wanted() is None
 
     count.set_autoscale(1, 3)
     # busy, but nothing waits for producers: no change
-    assert autoscale_step(settings, Pool([0.9, 0.95]), count, fake_client) == 2
+    assert autoscale_step(Pool([0.9, 0.95]), count, waiting) == 2
     assert count.wanted() is None
     buffer.feed(prompts("math", 5))
-    assert autoscale_step(settings, Pool([0.9, 0.95]), count, fake_client) == 3
+    assert autoscale_step(Pool([0.9, 0.95]), count, waiting) == 3
     assert count.wanted() == 3
     # engines that idle (one not answering): one fewer
-    assert autoscale_step(settings, Pool([0.1, None, 0.2]), count, fake_client) == 2
+    assert autoscale_step(Pool([0.1, None, 0.2]), count, waiting) == 2
     assert count.wanted() == 2

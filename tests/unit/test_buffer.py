@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rollstream.cli.status import run_status
 from rollstream.shared.errors import ReplayBufferError
 from rollstream.shared.keys import PRODUCERS
 from rollstream.shared.records import Status
-from rollstream.shared.status import run_status
 from tests.conftest import BufferFactory
 from tests.helpers import group_for, prompts, wait_idle
 

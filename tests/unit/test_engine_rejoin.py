@@ -7,8 +7,8 @@ import asyncio
 
 from rollstream.producer.engines import make_engine
 from rollstream.producer.engines.base import SamplingParams
-from rollstream.producer.host import EngineHost, StaleWeights
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.host import EngineHost, StaleWeights
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.shared.settings import load_settings
 
 FAST = {"count": 2, "sim": {"time_compression": 1000.0, "median_tokens": 20}}

@@ -16,14 +16,15 @@ import pytest
 
 from rollstream.producer.engines import vllm as vllm_engine
 from rollstream.producer.engines.selfcheck import Reference, first_difference
-from rollstream.producer.pool import engine_env
+from rollstream.producer.fleet.pool import engine_env
 from rollstream.shared.settings import EngineSettings, VLLMEngineSettings
 from tests.helpers import require, wait_for_async
 
 
 def test_importing_the_engine_does_not_import_vllm() -> None:
     code = (
-        "import sys, rollstream.producer.engines.vllm, rollstream.producer.pool; print('vllm' in sys.modules)"
+        "import sys, rollstream.producer.engines.vllm, rollstream.producer.fleet.pool; "
+        "print('vllm' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

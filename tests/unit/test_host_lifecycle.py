@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from rollstream.producer.engines.base import SamplingParams
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.shared.settings import load_settings
 
 ONE = {"count": 1, "sim": {"time_compression": 1.0, "median_tokens": 20}}

@@ -12,8 +12,8 @@ import pytest
 from rollstream.producer.judges import JudgeError, apply_rewards, load_judge
 from rollstream.producer.judges.match import ExactMatchJudge, RegexJudge
 from rollstream.producer.judges.math import MathJudge, answers_match, extract_answer, last_boxed
+from rollstream.producer.plugins import load_callable
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.plugins import load_callable
 from rollstream.shared.records import Prompt, Sample
 
 

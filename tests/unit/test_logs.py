@@ -1,4 +1,4 @@
-"""rollstream.shared.logs: one JSON object per record, the text/JSON setup of the root logger, and
+"""rollstream.cli.logs: one JSON object per record, the text/JSON setup of the root logger, and
 the progress ticker."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import orjson
 import pytest
 
-from rollstream.shared import logs as shared_logs
-from rollstream.shared.logs import QUIET, JsonFormatter, Ticker, setup_logging
+from rollstream.cli import logs as cli_logs
+from rollstream.cli.logs import QUIET, JsonFormatter, Ticker, setup_logging
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ class FakeClock:
 
 def test_ticker_is_due_once_per_period(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(shared_logs, "time", clock)
+    monkeypatch.setattr(cli_logs, "time", clock)
     ticker = Ticker(5.0)
     assert not ticker.due()  # a period starts when the ticker is made
     clock.now += 4.9

@@ -19,11 +19,11 @@ import pytest
 from rollstream.producer import engines
 from rollstream.producer.engines import EngineSettings, SamplingParams, make_engine
 from rollstream.producer.filters import load_filter
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.judges import load_judge
-from rollstream.producer.pool import LocalPool
+from rollstream.producer.plugins import import_object, load_callable
 from rollstream.producer.tokenizer import BytesTokenizer, make_tokenizer
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.plugins import import_object, load_callable
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.settings import BUILTIN_ENGINES, load_settings
 from tests.plugins.engine import MARK, MarkedEngine, make
@@ -218,7 +218,7 @@ def test_the_loader_has_one_home_that_every_family_imports() -> None:
                 if (
                     isinstance(node, ast.ImportFrom)
                     and names & {a.name for a in node.names}
-                    and node.module != "rollstream.shared.plugins"
+                    and node.module != "rollstream.producer.plugins"
                 ):
                     offenders.append(f"{path.relative_to(root)}:{node.lineno} from {node.module}")
     assert offenders == []

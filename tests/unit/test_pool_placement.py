@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollstream.producer.pool import (
+from rollstream.producer.fleet.pool import (
     actor_options,
     describe_needs,
     engine_payload,

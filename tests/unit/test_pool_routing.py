@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from rollstream.producer import pool as pool_module
 from rollstream.producer.engines.base import Generation, SamplingParams
-from rollstream.producer.pool import BasePool, EnginePool
+from rollstream.producer.fleet import pool as pool_module
+from rollstream.producer.fleet.pool import BasePool, EnginePool
 
 PARAMS = SamplingParams(max_tokens=4)
 

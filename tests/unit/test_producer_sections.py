@@ -16,9 +16,9 @@ import redis
 
 from rollstream.producer.assembly import build_producer, producer_plan
 from rollstream.producer.filters import keep_all
+from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.group import GroupRunner
 from rollstream.producer.judges.registry import load_judge
-from rollstream.producer.pool import LocalPool
 from rollstream.producer.tokenizer import BytesTokenizer
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.keys import Keys
@@ -26,8 +26,8 @@ from rollstream.shared.settings import load_settings
 
 PRODUCER = Path(__file__).resolve().parents[2] / "producer"
 NARROW = [
-    "group.py", "pool.py", "actors.py", "completions.py", "judging.py", "heartbeat.py", "progress.py",
-    "worker.py",
+    "group.py", "fleet/pool.py", "fleet/actors.py", "completions.py", "judging.py", "heartbeat.py",
+    "progress.py", "worker.py", "fleet/autoscale.py",
 ]  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""The replica barrier (shared/replication.py) is the one docs/stream-format.md §11.5.1
+"""The replica barrier (consumer/replication.py) is the one docs/stream-format.md §11.5.1
 gives other trainers, and it is a no-op without redis.wait_replicas."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import fakeredis
 
-from rollstream.shared import replication
+from rollstream.consumer import replication
 from rollstream.shared.keys import Keys
 from rollstream.shared.settings import RedisSettings
 

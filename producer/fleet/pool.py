@@ -1,5 +1,5 @@
 """The engine pool: where a producer sends each group's requests. ``EnginePool``: engines
-in the run's named, detached Ray actors (producer/actors.py), that any producer process
+in the run's named, detached Ray actors (producer/fleet/actors.py), that any producer process
 attaches to by name; ``LocalPool``: engines in this process.
 
 ``rollstream engines`` starts them (on a running Ray cluster) and exits; a
@@ -27,7 +27,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from rollstream.producer.actors import (
+from rollstream.producer.engines import make_engine
+from rollstream.producer.engines.base import Engine, EngineHealth, Generation, SamplingParams, dumps, loads
+from rollstream.producer.fleet.actors import (
     WAIT_WARNING_S,
     EngineActor,
     PoolError,
@@ -47,9 +49,7 @@ from rollstream.producer.actors import (
     remove_engine,
     wait_for_engines,
 )
-from rollstream.producer.engines import make_engine
-from rollstream.producer.engines.base import Engine, EngineHealth, Generation, SamplingParams, dumps, loads
-from rollstream.producer.host import EngineHost, StaleWeights
+from rollstream.producer.fleet.host import EngineHost, StaleWeights
 from rollstream.shared.settings import EngineSettings
 from rollstream.shared.waiting import NotYet, wait_until
 

@@ -6,7 +6,8 @@
                      the engines process once new engines answer, and at once, before
                      they are drained, when engines go; producers follow it
     engines_autoscale  JSON {"min": A, "max": B}: `rollstream engines scale --min A --max B`;
-                     the engines process then sets engines_wanted itself (autoscale_target)
+                     the engines process then sets engines_wanted itself (autoscale.py's
+                     autoscale_target)
 
 Producers send work only to engines below ``engines``: one above it is being drained
 and removed, or not up yet.
@@ -25,22 +26,6 @@ ENGINES_WANTED = "engines_wanted"
 ENGINES_SERVING = "engines"
 ENGINES_AUTOSCALE = "engines_autoscale"
 MAX_ENGINES = 4096  # as engines.count
-# the autoscale rule: one engine more while the engines are this busy and work waits for
-# producers; one fewer while they are this idle
-BUSY_HIGH = 0.8
-BUSY_LOW = 0.3
-
-
-def autoscale_target(current: int, low: int, high: int, busy: float | None, lag: int) -> int:
-    """The engine count the autoscale rule wants: ``current`` one step towards what
-    ``busy`` (the engines' mean busy fraction, None when none answered) and ``lag``
-    (entries waiting for producers in the run's pools) ask for, within ``low`` .. ``high``."""
-    target = current
-    if busy is not None and busy >= BUSY_HIGH and lag > 0:
-        target = current + 1
-    elif busy is not None and busy <= BUSY_LOW:
-        target = current - 1
-    return max(low, min(high, target))
 
 
 class EngineCount:

@@ -1,7 +1,7 @@
 """The run's engine actors on Ray: their names, where they run (resources, node labels,
 placement groups for tensor-parallel engines), how they are created, found and
 removed, and joining the run's Ray cluster. The pool that sends them work is
-producer/pool.py (``EnginePool``).
+producer/fleet/pool.py (``EnginePool``).
 
     rollstream:{run}:engine:{i}    actor names, in the Ray namespace rollstream-{run}
 
@@ -21,7 +21,7 @@ from ray.exceptions import RayError
 
 from rollstream.producer.engines import make_engine
 from rollstream.producer.engines.base import SamplingParams, dumps, loads
-from rollstream.producer.host import EngineHost
+from rollstream.producer.fleet.host import EngineHost
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.settings import EngineSettings
 
