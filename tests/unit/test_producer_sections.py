@@ -2,12 +2,11 @@
 (issue 22): the group runner its producer section, the tasks' group sizes, the weight-sync
 mode and the attempts; the pools and the engine actors the engines section and the run's
 name; the Producer its parts and a ProducerPlan (issue 33). Only the producer's composition
-root (producer/assembly.py) holds the tree."""
+root (producer/assembly.py) holds the tree: tests/unit/test_packaging.py checks that for
+every part."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,38 +22,6 @@ from rollstream.producer.tokenizer import BytesTokenizer
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.keys import Keys
 from rollstream.shared.settings import load_settings
-
-PRODUCER = Path(__file__).resolve().parents[2] / "producer"
-NARROW = [
-    "group.py", "fleet/pool.py", "fleet/actors.py", "completions.py", "judging.py", "heartbeat.py",
-    "progress.py", "worker.py", "fleet/autoscale.py",
-]  # fmt: skip
-
-
-def imported_names(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            names |= {alias.name for alias in node.names}
-    return names
-
-
-@pytest.mark.parametrize("module", NARROW)
-def test_the_producers_parts_do_not_import_the_settings_tree(module: str) -> None:
-    path = PRODUCER / module
-    assert "Settings" not in imported_names(path)
-    assert "load_settings" not in imported_names(path)
-
-
-def test_only_the_composition_root_of_the_producer_imports_the_settings_tree() -> None:
-    takers = set()
-    for path in PRODUCER.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = {alias.name for alias in node.names} if isinstance(node, ast.ImportFrom) else set()
-            if "Settings" in names:
-                takers.add(str(path.relative_to(PRODUCER)))
-    assert takers == {"assembly.py"}
-    assert "open_buffer" not in imported_names(PRODUCER / "worker.py")
 
 
 def test_a_producer_is_built_from_parts_and_a_plan(fake_client: redis.Redis) -> None:
