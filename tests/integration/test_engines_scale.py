@@ -10,7 +10,7 @@ import pytest
 import ray
 import redis
 
-from rollstream.cli.commands import engines_scale
+from rollstream.cli.engines import engines_scale
 from rollstream.producer.pool import EnginePool, actor_name, engine_indices, namespace
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl

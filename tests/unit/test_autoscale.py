@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from rollstream.cli.commands import autoscale_step
+from rollstream.cli.engines import autoscale_step
 from rollstream.producer.engines.base import EngineHealth
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import Keys
