@@ -28,7 +28,7 @@ from rollstream.producer.completions import Completions, settle_off_loop
 from rollstream.producer.engines.base import FINISH_LENGTH, Generation, SamplingParams
 from rollstream.producer.judges.base import Judge, JudgeError, apply_rewards
 from rollstream.producer.judges.rq import RQJudge
-from rollstream.producer.judging import MAX_CAUSES, JudgeFailures, SerialThread
+from rollstream.producer.judging import JudgeFailures, SerialThread
 from rollstream.producer.pool import BasePool
 from rollstream.producer.tokenizer import Tokenizer
 from rollstream.shared.buffer import Claim, ReplayBuffer
@@ -38,8 +38,6 @@ from rollstream.shared.records import Group, Prompt, Sample, Status
 from rollstream.shared.settings import ProducerSettings, TaskSettings
 from rollstream.shared.telemetry import group_completed, group_generated, judge_failed, judged
 
-# the settling and judging parts live in producer/completions.py and producer/judging.py;
-# importable from here as before
 __all__ = [
     "ABORTED",
     "COMPLETED",
@@ -47,16 +45,11 @@ __all__ = [
     "FAILED",
     "FENCED",
     "FILTERED",
-    "MAX_CAUSES",
     "SAMPLING_META",
-    "Completions",
     "GroupFailed",
     "GroupRunner",
-    "JudgeFailures",
-    "SerialThread",
     "Window",
     "prompt_sampling",
-    "settle_off_loop",
 ]
 
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
