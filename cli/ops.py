@@ -19,7 +19,8 @@ from rollstream.shared.errors import CorruptValueError, InputError, SettingsErro
 from rollstream.shared.events import CONTROL_EVENTS, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, TRAIN_STEP, Keys
 from rollstream.shared.runconfig import open_buffer
-from rollstream.shared.settings import Settings, redact_url
+from rollstream.shared.settings import Settings
+from rollstream.shared.settings_errors import redact_url
 from rollstream.shared.status import RunStatus, run_status
 
 log = logging.getLogger("rollstream")

@@ -37,7 +37,8 @@ from rollstream.shared.events import STOP, Event, EventFollower, RunControl, rem
 from rollstream.shared.keys import ROLES, Keys
 from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
 from rollstream.shared.runconfig import check_run_identity, check_run_settings, run_identity
-from rollstream.shared.settings import ProcessSettings, Settings, redact_url
+from rollstream.shared.settings import ProcessSettings, Settings
+from rollstream.shared.settings_errors import redact_url
 
 log = logging.getLogger("rollstream")
 

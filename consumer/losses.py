@@ -78,7 +78,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Literal, TypeAlias, get_args
 
-from rollstream.shared.settings import Aggregation, AlgorithmSettings, ImportanceCorrection, PolicyLoss
+from rollstream.shared.algorithm_settings import (
+    Aggregation,
+    AlgorithmSettings,
+    ImportanceCorrection,
+    PolicyLoss,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -50,7 +50,7 @@ from rollstream.producer.actors import (
 from rollstream.producer.engines import make_engine
 from rollstream.producer.engines.base import Engine, EngineHealth, Generation, SamplingParams, dumps, loads
 from rollstream.producer.host import EngineHost, StaleWeights
-from rollstream.shared.settings import EngineSettings
+from rollstream.shared.engine_settings import EngineSettings
 from rollstream.shared.waiting import NotYet, wait_until
 
 # the actors' names, re-exported: callers import them from here

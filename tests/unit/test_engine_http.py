@@ -30,8 +30,8 @@ from rollstream.producer.engines.base import (
 from rollstream.producer.engines.http_client import server_path, token_versions
 from rollstream.producer.engines.openai import OpenAIEngine, ties_lm_head
 from rollstream.producer.engines.sglang import SGLangEngine
+from rollstream.shared.engine_settings import EngineSettings, HTTPEngineSettings
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import EngineSettings, HTTPEngineSettings
 from tests.helpers import wait_for_async
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
