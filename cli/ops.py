@@ -13,7 +13,8 @@ from typing import Any
 import orjson
 
 from rollstream.cli.engines import serving_settings
-from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import default_consumer_name
 from rollstream.shared.connection import check_server, connect, eviction_risk
 from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
 from rollstream.shared.events import CONTROL_EVENTS, WEIGHT_SYNC, RunControl

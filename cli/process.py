@@ -30,7 +30,7 @@ from typing import Any
 import redis
 
 from rollstream.shared import telemetry
-from rollstream.shared.buffer import default_consumer_name
+from rollstream.shared.buffer_types import default_consumer_name
 from rollstream.shared.connection import STOPPING, stop_over, wait_for_redis
 from rollstream.shared.errors import RollstreamError, RunLost
 from rollstream.shared.events import STOP, Event, EventFollower, RunControl, remember_run

@@ -31,7 +31,8 @@ from rollstream.producer.judges.rq import RQJudge
 from rollstream.producer.judging import JudgeFailures, SerialThread
 from rollstream.producer.pool import BasePool
 from rollstream.producer.tokenizer import Tokenizer
-from rollstream.shared.buffer import Claim, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Claim
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.keys import EVALS
 from rollstream.shared.records import Group, Prompt, Sample, Status
