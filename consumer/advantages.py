@@ -33,8 +33,6 @@ from rollstream.shared.records import Group
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
-    "AdvantageEstimator",
-    "StdKind",
     "batch_advantages",
     "dr_grpo_advantages",
     "group_advantages",
