@@ -120,8 +120,8 @@ def learn(device: str, steps: int, seed: int = 0) -> dict[str, Any]:
     from rollstream.producer.judges.base import apply_rewards
     from rollstream.producer.judges.reverse import ReverseJudge
     from rollstream.recipes import reverse
+    from rollstream.shared.engine_settings import HFEngineSettings
     from rollstream.shared.records import Group, Sample
-    from rollstream.shared.settings import HFEngineSettings
     from rollstream.shared.transports import TransportSettings, default_dir
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -220,7 +220,7 @@ def measure(
 ) -> dict[str, Any]:
     """tokens/s of the engine, generate and the bare loop on one model; their ratios."""
     from rollstream.producer.engines.hf import HFEngine
-    from rollstream.shared.settings import HFEngineSettings
+    from rollstream.shared.engine_settings import HFEngineSettings
 
     engine = HFEngine(HFEngineSettings(model=str(directory), device=device, dtype=dtype))  # type: ignore[arg-type]
     try:

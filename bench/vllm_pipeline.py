@@ -514,7 +514,7 @@ async def alone(spec: dict[str, Any]) -> None:
     generate command drives directly, with no rollstream code on its path."""
 
     from rollstream.producer.engines.vllm import VLLMEngine
-    from rollstream.shared.settings import EngineSettings
+    from rollstream.shared.engine_settings import EngineSettings
 
     def reply(data: dict[str, Any]) -> None:
         print(REPLY + json.dumps(data), flush=True)
@@ -780,14 +780,14 @@ async def _until_decoding(engine: Engine, timeout_s: float = 120.0) -> None:
 
 async def sim_syncs(p: Params) -> dict[str, Any]:
     from rollstream.producer.engines.sim import SimEngine
-    from rollstream.shared.settings import SimEngineSettings
+    from rollstream.shared.engine_settings import SimEngineSettings
 
     return await time_syncs(SimEngine(SimEngineSettings()), ["ignored-a", "ignored-b"], p.syncs, busy=False)
 
 
 async def hf_syncs(p: Params, models: list[Path]) -> dict[str, Any]:
     from rollstream.producer.engines.hf import HFEngine
-    from rollstream.shared.settings import HFEngineSettings
+    from rollstream.shared.engine_settings import HFEngineSettings
 
     engine = HFEngine(HFEngineSettings(model=str(models[0])))
     return await time_syncs(engine, [str(m) for m in models], p.syncs, busy=False)
@@ -795,7 +795,7 @@ async def hf_syncs(p: Params, models: list[Path]) -> dict[str, Any]:
 
 def openai_syncs(p: Params, models: list[Path], log: Path) -> dict[str, Any]:
     from rollstream.producer.engines.openai import OpenAIEngine
-    from rollstream.shared.settings import HTTPEngineSettings
+    from rollstream.shared.engine_settings import HTTPEngineSettings
 
     started = time.monotonic()
     server, url = start_vllm_server(models[0], log, cpu_bind=p.cpu_bind)

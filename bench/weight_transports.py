@@ -100,7 +100,7 @@ def measure(size: str, device: str, dtype: str, repeats: int, use_ray: bool, wor
     from transformers import AutoModelForCausalLM
 
     from rollstream.producer.engines.hf import HFEngine
-    from rollstream.shared.settings import HFEngineSettings
+    from rollstream.shared.engine_settings import HFEngineSettings
     from rollstream.shared.transports import TransportSettings, sender_for, unique_tensors
 
     directory = random_model(work / f"model-{size}", SIZES[size])

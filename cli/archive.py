@@ -19,7 +19,8 @@ def archive(settings: Settings, stop: threading.Event) -> int:
     """The archiver, until SIGTERM or the run's stop event (then it writes what the run left
     in its sources). With archive.keep 0 (the default) it is off: it says so and waits for
     the run to stop, so that a Procfile line of it ends with the formation."""
-    from rollstream.consumer.archive import ARCHIVER_CONSUMER, Archiver, schema
+    from rollstream.consumer.archive import ARCHIVER_CONSUMER, Archiver
+    from rollstream.consumer.archive_files import schema
     from rollstream.consumer.assembly import run_archiver
 
     keep = settings.archive.keep

@@ -13,7 +13,7 @@ from rollstream.cli.logs import Ticker, on_terminal
 from rollstream.cli.process import running, start_line
 from rollstream.producer.feeder import Cursor, Feeder
 from rollstream.producer.prompts import read_prompt_file
-from rollstream.shared.buffer import default_consumer_name
+from rollstream.shared.buffer_types import default_consumer_name
 from rollstream.shared.connection import connect, wait_for_redis
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.runconfig import check_run_settings, open_buffer, run_identity

@@ -11,30 +11,8 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from rollstream.cli.dispatch import (  # noqa: F401 - names cli.main has always held
-    _LOADED,
-    DEFAULT_JUDGE,
-    ENV_RETURN,
-    cmd_archive,
-    cmd_check,
-    cmd_control,
-    cmd_dead_letter,
-    cmd_demo,
-    cmd_engines,
-    cmd_export,
-    cmd_feed,
-    cmd_judge,
-    cmd_metrics,
-    cmd_plot,
-    cmd_produce,
-    cmd_proxy,
-    cmd_redis,
-    cmd_show,
-    cmd_status,
-    cmd_steps,
-    cmd_train,
-)
-from rollstream.cli.parser import RECIPE_NAMES, build_parser  # noqa: F401
+from rollstream.cli.dispatch import _LOADED
+from rollstream.cli.parser import build_parser
 from rollstream.shared.errors import (
     InputError,
     RedisTooOld,

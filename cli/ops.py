@@ -14,13 +14,15 @@ import orjson
 
 from rollstream.cli.engines import serving_settings
 from rollstream.cli.status import RunStatus, run_status
-from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import default_consumer_name
 from rollstream.shared.connection import check_server, connect, eviction_risk
 from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
 from rollstream.shared.events import CONTROL_EVENTS, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, TRAIN_STEP, Keys
 from rollstream.shared.runconfig import open_buffer
-from rollstream.shared.settings import Settings, redact_url
+from rollstream.shared.settings import Settings
+from rollstream.shared.settings_errors import redact_url
 
 log = logging.getLogger("rollstream")
 

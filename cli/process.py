@@ -30,14 +30,15 @@ from typing import Any
 import redis
 
 from rollstream.shared import telemetry
-from rollstream.shared.buffer import default_consumer_name
+from rollstream.shared.buffer_types import default_consumer_name
 from rollstream.shared.connection import STOPPING, stop_over, wait_for_redis
 from rollstream.shared.errors import RollstreamError, RunLost
 from rollstream.shared.events import STOP, Event, EventFollower, RunControl, remember_run
 from rollstream.shared.keys import ROLES, Keys
 from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
 from rollstream.shared.runconfig import check_run_identity, check_run_settings, run_identity
-from rollstream.shared.settings import ProcessSettings, Settings, redact_url
+from rollstream.shared.settings import ProcessSettings, Settings
+from rollstream.shared.settings_errors import redact_url
 
 log = logging.getLogger("rollstream")
 

@@ -19,7 +19,8 @@ from rollstream.producer.prompts import read_prompt_file
 from rollstream.shared.errors import InputError, SettingsError
 from rollstream.shared.events import STOP
 from rollstream.shared.keys import Role
-from rollstream.shared.settings import Settings, redact_url
+from rollstream.shared.settings import Settings
+from rollstream.shared.settings_errors import redact_url
 
 log = logging.getLogger("rollstream")
 

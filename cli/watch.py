@@ -22,7 +22,8 @@ from rich.text import Text
 from rollstream.cli.status import RunStatus, run_status
 from rollstream.shared.connection import connect
 from rollstream.shared.keys import GROUPS, Count, Keys, Role
-from rollstream.shared.settings import Settings, redact_url
+from rollstream.shared.settings import Settings
+from rollstream.shared.settings_errors import redact_url
 
 STUCK_AFTER_S = 120.0  # no train step for this long while groups wait: a warning
 

@@ -33,7 +33,7 @@ from rollstream.consumer.batches import BatchReader, TrainBatch
 from rollstream.consumer.coordinator import BatchCoordinator
 from rollstream.consumer.tracking import Loggers, StepLogger, open_loggers, step_figures
 from rollstream.consumer.weights import SyncTimeout, publish_weights, wait_for_producers
-from rollstream.shared.buffer import Batch
+from rollstream.shared.buffer_types import Batch
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
 from rollstream.shared.records import Group, Prompt, Sample

@@ -28,13 +28,11 @@ from typing import TypeAlias, get_args
 import numpy as np
 import numpy.typing as npt
 
+from rollstream.shared.algorithm_settings import AdvantageEstimator, StdKind  # the names settings validate
 from rollstream.shared.records import Group
-from rollstream.shared.settings import AdvantageEstimator, StdKind  # the names settings validate
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
-    "AdvantageEstimator",
-    "StdKind",
     "batch_advantages",
     "dr_grpo_advantages",
     "group_advantages",

@@ -42,7 +42,7 @@ from typing import Any
 
 import redis
 
-from rollstream.consumer.archive_files import FILE_RE, PartFiles, schema
+from rollstream.consumer.archive_files import PartFiles
 from rollstream.consumer.archive_rows import (
     SOURCE_DEAD,
     SOURCE_FILTERED,
@@ -52,7 +52,6 @@ from rollstream.consumer.archive_rows import (
     Partition,
     Rows,
     entry_rows,
-    group_rows,
     original_fields,
     undecodable_row,
 )
@@ -66,20 +65,12 @@ from rollstream.shared.streams import text
 __all__ = [
     "ARCHIVER_CONSUMER",
     "EXPIRED_HEADER",
-    "FILE_RE",
     "LAG_CHECK_S",
-    "SOURCE_DEAD",
-    "SOURCE_FILTERED",
-    "SOURCE_TRAINED",
-    "TRAINED",
-    "UNTRAINED",
     "ArchivePlan",
     "Archiver",
     "Read",
     "Source",
     "archive_run",
-    "group_rows",
-    "schema",
 ]
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import redis
 
 from rollstream.consumer.replication import wait_for_replicas
-from rollstream.shared.buffer import Batch, BatchItem, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Batch, BatchItem
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import GROUPS, TRAINER

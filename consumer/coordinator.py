@@ -51,7 +51,8 @@ import orjson
 
 from rollstream.consumer.metrics import eval_metrics
 from rollstream.shared import codec
-from rollstream.shared.buffer import BATCH_META, Batch, BatchItem, ReplayBuffer, default_consumer_name
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import BATCH_META, Batch, BatchItem, default_consumer_name
 from rollstream.shared.errors import BatchTimeout, DecodeError, ReplayBufferError
 from rollstream.shared.keys import EVALS, GROUP_OF_KIND, POOLS, PROMPTS, Count, progress_field
 from rollstream.shared.records import Group, Prompt, Status

@@ -78,7 +78,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Literal, TypeAlias, get_args
 
-from rollstream.shared.settings import Aggregation, AlgorithmSettings, ImportanceCorrection, PolicyLoss
+from rollstream.shared.algorithm_settings import (
+    Aggregation,
+    AlgorithmSettings,
+    ImportanceCorrection,
+    PolicyLoss,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -87,10 +92,7 @@ __all__ = [
     "AGGREGATIONS",
     "IMPORTANCE_CORRECTIONS",
     "POLICY_LOSSES",
-    "Aggregation",
     "AlgorithmConfig",
-    "ImportanceCorrection",
-    "PolicyLoss",
     "aggregate",
     "masked_is_weights",
     "pg_token_loss",

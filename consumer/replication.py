@@ -29,7 +29,8 @@ from rollstream.shared.connection import OutageRetry
 from rollstream.shared.errors import ReplicasBehind
 from rollstream.shared.keys import REPLICATED, TRAIN_STEP, Keys
 from rollstream.shared.redis_cluster import follow_slot_said, server_for
-from rollstream.shared.settings import RedisSettings, redact_url
+from rollstream.shared.settings import RedisSettings
+from rollstream.shared.settings_errors import redact_url
 from rollstream.shared.streams import ROUND_TRIP_REDIRECTS
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from rollstream.producer.judges.registry import load_judge
 from rollstream.producer.judges.rq import RQJudge
 from rollstream.producer.tokenizer import make_tokenizer
 from rollstream.producer.worker import Producer, ProducerPlan
-from rollstream.shared.buffer import ReplayBuffer, default_consumer_name
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import default_consumer_name
 from rollstream.shared.connection import refuse_on_cluster
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.events import RunControl

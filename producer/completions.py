@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from rollstream.shared.buffer import Claim, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Claim
 from rollstream.shared.records import Group
 
 T = TypeVar("T")

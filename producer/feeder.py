@@ -25,7 +25,8 @@ import numpy as np
 import orjson
 
 from rollstream.producer.prompts import UidCheck, check_readable, iter_lines, parse_prompt
-from rollstream.shared.buffer import FEED_CHUNK, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_feed import FEED_CHUNK
 from rollstream.shared.errors import FeederError, InputError
 from rollstream.shared.records import Prompt
 

@@ -29,17 +29,16 @@ from rollstream.producer.engines.base import FINISH_LENGTH, Generation, Sampling
 from rollstream.producer.fleet.pool import BasePool
 from rollstream.producer.judges.base import Judge, JudgeError, apply_rewards
 from rollstream.producer.judges.rq import RQJudge
-from rollstream.producer.judging import MAX_CAUSES, JudgeFailures, SerialThread
+from rollstream.producer.judging import JudgeFailures, SerialThread
 from rollstream.producer.tokenizer import Tokenizer
-from rollstream.shared.buffer import Claim, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Claim
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.keys import EVALS
 from rollstream.shared.records import Group, Prompt, Sample, Status
 from rollstream.shared.settings import ProducerSettings, TaskSettings
 from rollstream.shared.telemetry import group_completed, group_generated, judge_failed, judged
 
-# the settling and judging parts live in producer/completions.py and producer/judging.py;
-# importable from here as before
 __all__ = [
     "ABORTED",
     "COMPLETED",
@@ -47,16 +46,11 @@ __all__ = [
     "FAILED",
     "FENCED",
     "FILTERED",
-    "MAX_CAUSES",
     "SAMPLING_META",
-    "Completions",
     "GroupFailed",
     "GroupRunner",
-    "JudgeFailures",
-    "SerialThread",
     "Window",
     "prompt_sampling",
-    "settle_off_loop",
 ]
 
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"

@@ -18,7 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from rollstream.shared.buffer import Claim, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Claim
 from rollstream.shared.events import RunControl
 from rollstream.shared.liveness import Heartbeat, Liveness
 from rollstream.shared.streams import Entry

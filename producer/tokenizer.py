@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from rollstream.shared import models
+from rollstream.shared.engine_settings import EngineSettings
 from rollstream.shared.records import PromptText
-from rollstream.shared.settings import EngineSettings
 
 
 class Tokenizer(Protocol):

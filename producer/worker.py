@@ -36,7 +36,8 @@ from rollstream.producer.group import GroupRunner, Window
 from rollstream.producer.heartbeat import keep_beating, producer_heartbeat, stop_beating
 from rollstream.producer.progress import METRICS_CAP, ProducerStats, metrics_record, report_progress
 from rollstream.shared.allocation import over_sample_budget
-from rollstream.shared.buffer import Claim, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Claim
 from rollstream.shared.errors import CorruptValueError, RollstreamError
 from rollstream.shared.events import PAUSE, RESUME, STOP, WEIGHT_SYNC, RunControl
 from rollstream.shared.keys import EVALS

@@ -38,7 +38,7 @@ from rollstream.consumer.losses import AlgorithmConfig
 from rollstream.producer.engines.base import FINISH_LENGTH, FINISH_STOP
 from rollstream.producer.judges.base import apply_rewards
 from rollstream.producer.judges.reverse import ReverseJudge
-from rollstream.shared.buffer import Batch, BatchItem
+from rollstream.shared.buffer_types import Batch, BatchItem
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.streams import Entry
 

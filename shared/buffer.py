@@ -16,7 +16,7 @@ The buffer takes the sections of the settings it uses, not the whole tree
 (shared/runconfig.py's open_buffer picks them out of it). Its other parts live
 beside it: feeding (buffer_feed.py), the entries this consumer holds, reclaims and
 dead-letters (buffer_pending.py), the archive's trained log (buffer_trained_log.py)
-and what it hands out (buffer_types.py, whose names this module re-exports).
+and what it hands out (buffer_types.py).
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ from typing import Any
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.buffer_feed import FEED_CHUNK, Feeding
+from rollstream.shared.buffer_feed import Feeding
 from rollstream.shared.buffer_pending import PendingEntries
-from rollstream.shared.buffer_trained_log import ARCHIVE_WARN_S, TrainedLog
+from rollstream.shared.buffer_trained_log import TrainedLog
 from rollstream.shared.buffer_types import (
-    BATCH_META,
     DROPPED_COUNT,
     Batch,
     BatchItem,
     Claim,
-    FeedResult,
     default_consumer_name,
     eval_batch,
     refused_format,
@@ -62,19 +60,8 @@ from rollstream.shared.settings import ArchiveSettings, BufferSettings
 from rollstream.shared.streams import Entry, Settle, pairs, stored_int, text
 
 __all__ = [
-    "ARCHIVE_WARN_S",
-    "BATCH_META",
-    "DROPPED_COUNT",
-    "FEED_CHUNK",
     "RECOVERED",
-    "Batch",
-    "BatchItem",
-    "Claim",
-    "FeedResult",
     "ReplayBuffer",
-    "default_consumer_name",
-    "eval_batch",
-    "refused_format",
 ]
 
 log = logging.getLogger(__name__)

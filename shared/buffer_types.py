@@ -1,7 +1,7 @@
 """What the replay buffer hands out and takes back: a producer's claim on a pool entry,
 the trainer's batch of groups, a feed's counts, and the small rules that go with them
 (the coordinator batch an eval prompt names, the error that stops a reader at a stream
-format it does not read). shared/buffer.py re-exports every name here."""
+format it does not read)."""
 
 from __future__ import annotations
 

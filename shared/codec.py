@@ -63,9 +63,6 @@ import math
 from rollstream.shared.errors import DecodeError
 from rollstream.shared.group_decoding import read_group
 from rollstream.shared.group_encoding import (
-    _runs as _runs,  # tests pin the version runs through it
-)
-from rollstream.shared.group_encoding import (
     encode_filtered,
     encode_group,
     encode_group_parts,

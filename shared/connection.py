@@ -37,7 +37,8 @@ from rollstream.shared import redisurl, telemetry
 from rollstream.shared.errors import RedisTooOld, RedisUnavailable, SettingsError
 from rollstream.shared.redis_cluster import cluster_client
 from rollstream.shared.redis_sentinel import sentinel_client
-from rollstream.shared.settings import ENV_PREFIX, RedisSettings, redact_url
+from rollstream.shared.settings import RedisSettings
+from rollstream.shared.settings_errors import ENV_PREFIX, redact_url
 from rollstream.shared.waiting import NotYet, wait_until
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM and XPENDING ... IDLE

@@ -23,7 +23,8 @@ from rollstream.shared.allocation import allocate_batch_sizes
 from rollstream.shared.codec import FORMAT_VERSION, check_format
 from rollstream.shared.errors import RunLost, RunSettingsMismatch, SettingsError
 from rollstream.shared.keys import FORMAT, RUN_ID, RUN_LOST, RUN_SETTINGS, TRAIN_STEP, Keys
-from rollstream.shared.settings import ENV_PREFIX, Settings, redact_url
+from rollstream.shared.settings import Settings
+from rollstream.shared.settings_errors import ENV_PREFIX, redact_url
 
 if TYPE_CHECKING:
     from rollstream.shared.buffer import ReplayBuffer

@@ -15,7 +15,7 @@ shared/settings_errors.py writes those lines.
 Each plug-in family owns its settings model beside this module, and the tree here
 composes them: the engines' in shared/engine_settings.py, the trainer-side
 algorithm's in shared/algorithm_settings.py, the weight transports' in
-shared/transports.py. Every name is importable from here as well.
+shared/transports.py. Each of their names is imported from its own module.
 """
 
 from __future__ import annotations
@@ -36,29 +36,18 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError as PydanticSettingsError
 
 from rollstream.shared import redisurl
-
-# The families' models, composed below, and the names of the sources. Each is imported "as"
-# itself, a re-export: whatever imported it from this module before it moved still does.
-from rollstream.shared.algorithm_settings import AdvantageEstimator as AdvantageEstimator
-from rollstream.shared.algorithm_settings import Aggregation as Aggregation
-from rollstream.shared.algorithm_settings import AlgorithmSettings as AlgorithmSettings
-from rollstream.shared.algorithm_settings import ImportanceCorrection as ImportanceCorrection
-from rollstream.shared.algorithm_settings import PolicyLoss as PolicyLoss
-from rollstream.shared.algorithm_settings import StdKind as StdKind
-from rollstream.shared.engine_settings import BUILTIN_ENGINES as BUILTIN_ENGINES
-from rollstream.shared.engine_settings import RAY_BUILTIN_RESOURCES as RAY_BUILTIN_RESOURCES
-from rollstream.shared.engine_settings import EngineSettings as EngineSettings
-from rollstream.shared.engine_settings import HFEngineSettings as HFEngineSettings
-from rollstream.shared.engine_settings import HTTPEngineSettings as HTTPEngineSettings
-from rollstream.shared.engine_settings import SimEngineSettings as SimEngineSettings
-from rollstream.shared.engine_settings import VLLMEngineSettings as VLLMEngineSettings
+from rollstream.shared.algorithm_settings import AlgorithmSettings
+from rollstream.shared.engine_settings import EngineSettings
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings_errors import CONFIG_ENV as CONFIG_ENV
-from rollstream.shared.settings_errors import DEFAULT_CONFIG_FILE as DEFAULT_CONFIG_FILE
-from rollstream.shared.settings_errors import ENV_PREFIX as ENV_PREFIX
-from rollstream.shared.settings_errors import NON_SETTING_ENV as NON_SETTING_ENV
-from rollstream.shared.settings_errors import Sources, check_env, config_path, describe, read_toml
-from rollstream.shared.settings_errors import redact_url as redact_url
+from rollstream.shared.settings_errors import (
+    CONFIG_ENV,
+    ENV_PREFIX,
+    Sources,
+    check_env,
+    config_path,
+    describe,
+    read_toml,
+)
 from rollstream.shared.transports import TransportSettings
 
 # Names end up inside Redis keys and SCAN patterns: no braces, colons or glob characters.

@@ -55,21 +55,16 @@ import time
 from typing import Any
 
 from rollstream.producer.agents.base import DONE, OPTION_ERROR, AgentConfig, Rollout
-from rollstream.producer.agents.proxy_episode import ABORTED_EPISODE, Episode, ProxyError, Turns
-from rollstream.producer.agents.proxy_http import SHUTDOWN_S, ProxyServer
+from rollstream.producer.agents.proxy_episode import Episode
+from rollstream.producer.agents.proxy_http import ProxyServer
 from rollstream.producer.engines.base import FINISH_ABORT
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.records import MODEL, Sample, Status
 
 __all__ = [
-    "ABORTED_EPISODE",
     "DEFAULT_PORT",
     "OPTIONS",
-    "SHUTDOWN_S",
-    "Episode",
     "ProxyAgent",
-    "ProxyError",
-    "Turns",
 ]
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,6 @@ from rollstream.producer.engines.base import (
     SamplingParams,
 )
 from rollstream.producer.engines.hf_decode import Batch, Row
-from rollstream.producer.engines.hf_weights import check_fit as check_fit  # its home was here
 from rollstream.shared import models
 from rollstream.shared.engine_settings import EngineSettings, HFEngineSettings
 from rollstream.shared.models import ModelError

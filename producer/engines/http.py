@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import httpx
 
 from rollstream.producer.engines.base import EngineError, EngineHealth, Generation, SamplingParams
-from rollstream.producer.engines.http_client import FROM_DISK as FROM_DISK
 from rollstream.producer.engines.http_client import (
     ServerClient,
     _aborted,
@@ -49,8 +47,6 @@ from rollstream.producer.engines.http_client import (
     _Unreachable,
     _without_userinfo,
 )
-from rollstream.producer.engines.http_client import server_path as server_path
-from rollstream.producer.engines.http_client import token_versions as token_versions
 from rollstream.shared.engine_settings import HTTPEngineSettings
 from rollstream.shared.settings_errors import redact_url
 
@@ -403,32 +399,3 @@ class HTTPEngine(ServerClient):
                 await self._resume_on(server)
             except _Unreachable as exc:
                 self._take_out(server, exc)
-
-
-# Names that lived in this module still import from here: FROM_DISK, server_path and
-# token_versions (imported above "as" themselves, from http_client.py), and the openai and
-# sglang engines' names, loaded when first asked for.
-_MOVED = {
-    "OpenAIEngine": "openai",
-    "openai_from_settings": "openai",
-    "ties_lm_head": "openai",
-    "TOKENS": "openai",
-    "COMPLETIONS": "openai",
-    "TOKENS_ABORT": "openai",
-    "DEV_ABORT": "openai",
-    "PAUSE": "openai",
-    "RESUME": "openai",
-    "RPC": "openai",
-    "WEIGHT_VERSION": "openai",
-    "WORKER_EXTENSION": "openai",
-    "RELOAD_METHOD": "openai",
-    "SGLangEngine": "sglang",
-    "sglang_from_settings": "sglang",
-}
-
-
-def __getattr__(name: str) -> Any:
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"rollstream.producer.engines.{home}"), name)

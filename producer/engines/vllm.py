@@ -56,14 +56,10 @@ from rollstream.producer.engines.base import (
     SamplingParams,
 )
 
-# what vLLM is handed and what is read back from it: vllm_args.py; the names that lived
-# here still import from here
-from rollstream.producer.engines.vllm_args import RELOAD_METHOD as RELOAD_METHOD
-from rollstream.producer.engines.vllm_args import WORKER_EXTENSION as WORKER_EXTENSION
-from rollstream.producer.engines.vllm_args import engine_args as engine_args
+# what vLLM is handed and what is read back from it: vllm_args.py
+from rollstream.producer.engines.vllm_args import RELOAD_METHOD, engine_args, sampling_params
 from rollstream.producer.engines.vllm_args import environment as _environment
 from rollstream.producer.engines.vllm_args import sampled_logprobs as _sampled_logprobs
-from rollstream.producer.engines.vllm_args import sampling_params
 from rollstream.producer.engines.vllm_args import stat_logger as _stat_logger
 from rollstream.shared import models
 from rollstream.shared.engine_settings import EngineSettings, VLLMEngineSettings

@@ -22,8 +22,8 @@ from ray.exceptions import RayError
 from rollstream.producer.engines import make_engine
 from rollstream.producer.engines.base import SamplingParams, dumps, loads
 from rollstream.producer.fleet.host import EngineHost
+from rollstream.shared.engine_settings import EngineSettings
 from rollstream.shared.errors import RollstreamError
-from rollstream.shared.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 

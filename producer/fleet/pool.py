@@ -50,7 +50,7 @@ from rollstream.producer.fleet.actors import (
     wait_for_engines,
 )
 from rollstream.producer.fleet.host import EngineHost, StaleWeights
-from rollstream.shared.settings import EngineSettings
+from rollstream.shared.engine_settings import EngineSettings
 from rollstream.shared.waiting import NotYet, wait_until
 
 # the actors' names, re-exported: callers import them from here

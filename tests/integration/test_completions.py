@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import redis
 
-from rollstream.producer.group import Completions
+from rollstream.producer.completions import Completions
 from rollstream.shared.errors import ReplayBufferError
 from rollstream.shared.records import Status
 from tests.conftest import BufferFactory

@@ -13,7 +13,7 @@ import redis
 from rollstream.consumer.assembly import create_coordinator
 from rollstream.consumer.coordinator import BatchCoordinator
 from rollstream.producer.assembly import build_producer
-from rollstream.shared.buffer import Claim
+from rollstream.shared.buffer_types import Claim
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import BatchTimeout, ReplayBufferError
 from rollstream.shared.keys import PRODUCERS

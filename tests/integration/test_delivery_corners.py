@@ -15,7 +15,8 @@ import redis
 from rollstream.consumer.assembly import create_reader
 from rollstream.producer.assembly import build_producer
 from rollstream.shared import codec
-from rollstream.shared.buffer import Batch, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Batch
 from rollstream.shared.connection import connect
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import FeederError, FormatError, RedisOutOfMemory

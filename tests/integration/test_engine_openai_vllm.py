@@ -38,7 +38,7 @@ from rollstream.producer.engines.base import FINISH_ABORT, FINISH_LENGTH, Engine
 from rollstream.producer.engines.openai import WORKER_EXTENSION, OpenAIEngine
 from rollstream.producer.fleet.host import EngineHost
 from rollstream.shared.embedded import free_port
-from rollstream.shared.settings import HTTPEngineSettings
+from rollstream.shared.engine_settings import HTTPEngineSettings
 from tests.helpers import wait_for, wait_for_async
 from tests.hf_fixtures import (
     VLLM_SIZE,

@@ -10,7 +10,7 @@ import pytest
 import ray
 import redis
 
-from rollstream.cli.commands import engines_scale
+from rollstream.cli.engines import engines_scale
 from rollstream.producer.fleet.pool import EnginePool, actor_name, engine_indices, namespace
 from rollstream.producer.fleet.scaling import ENGINES_SERVING, EngineCount
 from rollstream.shared.embedded import EmbeddedRedis

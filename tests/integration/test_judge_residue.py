@@ -20,9 +20,9 @@ import redis
 from rq.registry import StartedJobRegistry
 
 from rollstream.producer.assembly import build_producer
-from rollstream.producer.group import JudgeFailures
 from rollstream.producer.judges.base import JudgeError
 from rollstream.producer.judges.rq import RQJudge
+from rollstream.producer.judging import JudgeFailures
 from rollstream.producer.worker import Producer
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.keys import Keys, Role

@@ -17,7 +17,7 @@ import ray
 import redis
 
 from rollstream.producer.fleet.pool import EnginePool
-from rollstream.shared.buffer import Batch
+from rollstream.shared.buffer_types import Batch
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import WEIGHT_SYNC, RunControl
 from rollstream.shared.runconfig import open_buffer

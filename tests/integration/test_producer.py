@@ -19,7 +19,8 @@ from rollstream.producer.assembly import build_producer
 from rollstream.producer.engines.sim import SimEngine
 from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.worker import Producer
-from rollstream.shared.buffer import Batch, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Batch
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import WEIGHT_SYNC
 from rollstream.shared.settings import Settings, load_settings

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from rollstream.producer.heartbeat import keep_beating, producer_heartbeat, stop_beating
-from rollstream.shared.buffer import Claim
+from rollstream.shared.buffer_types import Claim
 from rollstream.shared.events import ProducerStatus, RunControl
 from rollstream.shared.keys import PRODUCERS, Keys
 from rollstream.shared.liveness import Heartbeat, Liveness, live_processes

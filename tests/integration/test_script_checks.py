@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from rollstream.shared.buffer import Batch, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Batch
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import GROUPS, PRODUCERS, TRAINER
 from tests.conftest import BufferFactory

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from rollstream.shared import codec
-from rollstream.shared.buffer import BATCH_META
+from rollstream.shared.buffer_types import BATCH_META
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.errors import DecodeError
 from rollstream.shared.events import WEIGHT_SYNC, RunControl

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from rollstream.cli.commands import format_status
+from rollstream.cli.ops import format_status
 from rollstream.cli.status import TaskAccount, run_status
 from rollstream.shared import codec
 from rollstream.shared.keys import Keys

@@ -20,7 +20,7 @@ require("transformers", "hf")
 from rollstream.producer.engines.base import FINISH_ABORT, FINISH_LENGTH, SamplingParams
 from rollstream.producer.engines.hf import HFEngine
 from rollstream.producer.fleet.host import EngineHost
-from rollstream.shared.settings import HFEngineSettings
+from rollstream.shared.engine_settings import HFEngineSettings
 from rollstream.shared.transports import (
     TransportSettings,
     read_safetensors,

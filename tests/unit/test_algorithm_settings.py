@@ -10,8 +10,9 @@ import pytest
 
 from rollstream.consumer.advantages import ADVANTAGE_ESTIMATORS
 from rollstream.consumer.losses import AGGREGATIONS, IMPORTANCE_CORRECTIONS, POLICY_LOSSES, AlgorithmConfig
+from rollstream.shared.algorithm_settings import AdvantageEstimator, AlgorithmSettings
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import AdvantageEstimator, AlgorithmSettings, load_settings
+from rollstream.shared.settings import load_settings
 
 
 def test_the_consumer_config_is_the_settings_block() -> None:

@@ -11,7 +11,8 @@ import pytest
 import redis
 
 import rollstream.shared
-from rollstream.shared.buffer import Batch, ReplayBuffer
+from rollstream.shared.buffer import ReplayBuffer
+from rollstream.shared.buffer_types import Batch
 from rollstream.shared.keys import PRODUCERS, Keys
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import ArchiveSettings, BufferSettings

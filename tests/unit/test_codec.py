@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from rollstream.shared import codec
 from rollstream.shared.errors import DecodeError
+from rollstream.shared.group_encoding import _runs
 from rollstream.shared.records import ENV, MODEL, TOOL, Group, Prompt, Sample, Status, Turn, group_status
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -241,9 +242,9 @@ def test_decoded_versions_are_read_only_views() -> None:
 
 def test_version_runs_split_at_every_sample_boundary_even_without_a_change() -> None:
     arrays = [[3, 3], [3, 4, 4], [], [4], [5, 5, 6]]
-    runs = codec._runs([np.asarray(a, dtype=np.int32) for a in arrays])
+    runs = _runs([np.asarray(a, dtype=np.int32) for a in arrays])
     assert runs == [[[3, 2]], [[3, 1], [4, 2]], [], [[4, 1]], [[5, 2], [6, 1]]]
-    assert codec._runs([np.zeros(0, dtype=np.int32)] * 2) == [[], []]
+    assert _runs([np.zeros(0, dtype=np.int32)] * 2) == [[], []]
 
 
 def test_samples_with_equal_multi_run_versions_share_one_decoded_array() -> None:

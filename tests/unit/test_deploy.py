@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rollstream.cli.main import build_parser
+from rollstream.cli.parser import build_parser
 from rollstream.shared.keys import Keys
 from rollstream.shared.settings import load_settings
 from tests.helpers import require

@@ -25,7 +25,7 @@ from rollstream.producer.engines.base import (
     SamplingParams,
 )
 from rollstream.producer.engines.hf import HFEngine
-from rollstream.shared.settings import HFEngineSettings
+from rollstream.shared.engine_settings import HFEngineSettings
 from tests.helpers import wait_for, wait_for_async
 from tests.hf_fixtures import make_tokenizer, save_model
 

@@ -27,11 +27,11 @@ from rollstream.producer.engines.base import (
     EngineError,
     SamplingParams,
 )
-from rollstream.producer.engines.http import server_path, token_versions
+from rollstream.producer.engines.http_client import server_path, token_versions
 from rollstream.producer.engines.openai import OpenAIEngine, ties_lm_head
 from rollstream.producer.engines.sglang import SGLangEngine
+from rollstream.shared.engine_settings import EngineSettings, HTTPEngineSettings
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import EngineSettings, HTTPEngineSettings
 from tests.helpers import wait_for_async
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -600,14 +600,9 @@ def test_each_server_kind_has_a_module_of_its_own_beside_the_base() -> None:
         assert type(engine) is cls and cls.__module__ == f"rollstream.producer.engines.{kind}"
         assert issubclass(cls, http_engine.HTTPEngine)
     assert http_engine.HTTPEngine.__module__ == http_engine.__name__
-    # the engines' names from before the split still import from http.py
-    from rollstream.producer.engines.http import WORKER_EXTENSION, sglang_from_settings
-    from rollstream.producer.engines.http import OpenAIEngine as Moved
-
-    assert Moved is OpenAIEngine and WORKER_EXTENSION == openai_engine.WORKER_EXTENSION
-    assert sglang_from_settings is http_engine.sglang_from_settings
-    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
-        _ = http_engine.Nothing
+    # one home per name: the server kinds' names are theirs, not the base's
+    for name in ("OpenAIEngine", "WORKER_EXTENSION", "SGLangEngine", "sglang_from_settings"):
+        assert not hasattr(http_engine, name), name
 
 
 def test_ties_lm_head_reads_the_config_and_safetensors_headers(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from rollstream.producer.engines.base import FINISH_ABORT, FINISH_LENGTH, EngineError, SamplingParams
 from rollstream.producer.engines.sim import SimEngine
-from rollstream.shared.settings import SimEngineSettings
+from rollstream.shared.engine_settings import SimEngineSettings
 from tests.helpers import ManualClock, wait_for_async
 
 COMPRESSION = 4.0

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from rollstream.producer.engines import vllm as vllm_engine
+from rollstream.producer.engines import vllm_args
+from rollstream.producer.engines.base import EngineError
 from rollstream.producer.engines.selfcheck import Reference, first_difference
 from rollstream.producer.fleet.pool import engine_env
-from rollstream.shared.settings import EngineSettings, VLLMEngineSettings
+from rollstream.shared.engine_settings import EngineSettings, VLLMEngineSettings
 from tests.helpers import require, wait_for_async
 
 
@@ -35,12 +37,12 @@ def test_engine_args_pass_the_settings_through_and_extra_args_win() -> None:
     settings = VLLMEngineSettings(
         model="/m", dtype="float32", max_model_len=0, kv_cache_memory_bytes=0, extra_args={"seed": 9, "x": 1}
     )
-    args = vllm_engine.engine_args(settings)
+    args = vllm_args.engine_args(settings)
     assert args["model"] == "/m" and args["dtype"] == "float32"
     assert "max_model_len" not in args and "kv_cache_memory_bytes" not in args  # 0: vLLM's own
     assert args["seed"] == 9 and args["x"] == 1
-    assert args["worker_extension_cls"] == vllm_engine.WORKER_EXTENSION
-    sized = vllm_engine.engine_args(VLLMEngineSettings(max_model_len=512, kv_cache_memory_bytes=1 << 28))
+    assert args["worker_extension_cls"] == vllm_args.WORKER_EXTENSION
+    sized = vllm_args.engine_args(VLLMEngineSettings(max_model_len=512, kv_cache_memory_bytes=1 << 28))
     assert sized["max_model_len"] == 512 and sized["kv_cache_memory_bytes"] == 1 << 28
 
 
@@ -56,15 +58,15 @@ def test_each_vllm_actor_gets_its_own_cpu_binding() -> None:
 
 
 def test_a_model_without_a_directory_is_refused_before_vllm_is_loaded() -> None:
-    with pytest.raises(vllm_engine.EngineError, match=r"engines\.vllm\.model"):
+    with pytest.raises(EngineError, match=r"engines\.vllm\.model"):
         vllm_engine.VLLMEngine(VLLMEngineSettings(model="/nonexistent"))
 
 
 def test_sampled_logprobs_from_dicts_and_from_flat_lists() -> None:
     as_dicts = [{5: SimpleNamespace(logprob=-0.5)}, {7: SimpleNamespace(logprob=-1.5)}]
-    assert vllm_engine._sampled_logprobs(as_dicts, [5, 7]).tolist() == [-0.5, -1.5]
+    assert vllm_args.sampled_logprobs(as_dicts, [5, 7]).tolist() == [-0.5, -1.5]
     flat = SimpleNamespace(logprobs=[-0.25, -2.0], start_indices=[0, 1])
-    assert vllm_engine._sampled_logprobs(flat, [5, 7]).tolist() == [-0.25, -2.0]
+    assert vllm_args.sampled_logprobs(flat, [5, 7]).tolist() == [-0.25, -2.0]
 
 
 def reference(tokens: list[int], rows: list[list[float]]) -> Reference:

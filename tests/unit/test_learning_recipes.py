@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollstream.cli.main import RECIPE_NAMES
+from rollstream.cli.parser import RECIPE_NAMES
 from rollstream.recipes import learning, reverse
 
 

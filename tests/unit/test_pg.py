@@ -21,9 +21,9 @@ from rollstream.consumer.pg import PolicyGradient
 from rollstream.consumer.tensors import to_padded
 from rollstream.producer.engines.base import SamplingParams
 from rollstream.producer.engines.hf import HFEngine
-from rollstream.shared.buffer import Batch, BatchItem
+from rollstream.shared.buffer_types import Batch, BatchItem
+from rollstream.shared.engine_settings import HFEngineSettings
 from rollstream.shared.records import Group, Prompt, Sample
-from rollstream.shared.settings import HFEngineSettings
 from tests.hf_fixtures import save_model
 
 PROMPT = [4, 5, 6]

@@ -12,7 +12,7 @@ import torch
 from rollstream.consumer.pg import PolicyGradient
 from rollstream.producer.engines.hf import HFEngine
 from rollstream.recipes import reverse
-from rollstream.shared.settings import HFEngineSettings
+from rollstream.shared.engine_settings import HFEngineSettings
 
 
 def test_saved_steps_load_as_the_trained_weights(tmp_path: Path) -> None:

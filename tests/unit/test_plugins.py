@@ -23,9 +23,10 @@ from rollstream.producer.fleet.pool import LocalPool
 from rollstream.producer.judges import load_judge
 from rollstream.producer.plugins import import_object, load_callable
 from rollstream.producer.tokenizer import BytesTokenizer, make_tokenizer
+from rollstream.shared.engine_settings import BUILTIN_ENGINES
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.records import Group, Prompt, Sample
-from rollstream.shared.settings import BUILTIN_ENGINES, load_settings
+from rollstream.shared.settings import load_settings
 from tests.plugins.engine import MARK, MarkedEngine, make
 
 PLUGIN = "tests.plugins.engine:make"

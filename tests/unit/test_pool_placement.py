@@ -13,8 +13,9 @@ from rollstream.producer.fleet.pool import (
     engine_payload,
     placement_group_options,
 )
+from rollstream.shared.engine_settings import EngineSettings
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import EngineSettings, load_settings
+from rollstream.shared.settings import load_settings
 
 
 def engines(**values: object) -> EngineSettings:

@@ -19,7 +19,8 @@ from tests.helpers import require, wait_for_async
 require("aiohttp", "proxy")
 
 from rollstream.producer.agents.base import AgentConfig, Rollout
-from rollstream.producer.agents.proxy import SHUTDOWN_S, ProxyAgent
+from rollstream.producer.agents.proxy import ProxyAgent
+from rollstream.producer.agents.proxy_http import SHUTDOWN_S
 from rollstream.producer.agents.registry import load_agent
 from rollstream.producer.agents.text import TurnText
 from rollstream.producer.tokenizer import BytesTokenizer, HFTokenizer

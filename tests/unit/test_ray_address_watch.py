@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import fakeredis
 
-from rollstream.cli.commands import _watch_ray_address
+from rollstream.cli.produce import _watch_ray_address
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys
 from tests.helpers import wait_for

@@ -7,7 +7,8 @@ import pytest
 
 from rollstream.shared import redisurl
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import load_settings, redact_url
+from rollstream.shared.settings import load_settings
+from rollstream.shared.settings_errors import redact_url
 
 
 def test_a_sentinel_url_names_the_sentinels_the_service_the_database_and_the_password() -> None:

@@ -18,8 +18,8 @@ from rollstream.producer.judges.base import JudgeError
 from rollstream.producer.judges.reverse import ReverseJudge, partial_reward
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.recipes import reverse
+from rollstream.shared.engine_settings import HFEngineSettings
 from rollstream.shared.records import Prompt, Sample
-from rollstream.shared.settings import HFEngineSettings
 
 
 def prompt(answer: str = "m a c", **meta: Any) -> Prompt:

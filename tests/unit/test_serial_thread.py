@@ -9,11 +9,11 @@ import sys
 import threading
 import time
 
-from rollstream.producer.group import SerialThread
+from rollstream.producer.judging import SerialThread
 
 HUNG = """
 import asyncio, threading
-from rollstream.producer.group import SerialThread
+from rollstream.producer.judging import SerialThread
 
 async def main():
     worker = SerialThread("judge")

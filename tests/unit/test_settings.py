@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import load_settings, redact_url
+from rollstream.shared.settings import load_settings
+from rollstream.shared.settings_errors import redact_url
 
 
 def test_defaults_are_valid() -> None:

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from rollstream.shared.errors import SettingsError
-from rollstream.shared.settings import NON_SETTING_ENV, load_settings, redact_url
+from rollstream.shared.settings import load_settings
+from rollstream.shared.settings_errors import NON_SETTING_ENV, redact_url
 
 PASSWORD = "hunter2-Zq9"
 

@@ -14,7 +14,7 @@ torch = require("torch", "hf")
 
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.tensors import samples_of, to_packed, to_padded, token_logprobs
-from rollstream.shared.buffer import Batch, BatchItem
+from rollstream.shared.buffer_types import Batch, BatchItem
 from rollstream.shared.records import Group, Prompt, Sample
 
 # Sample A: prompt [1, 2, 3], response [4, 5]; sample B: prompt [9], response [10, 11, 12]

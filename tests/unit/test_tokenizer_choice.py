@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollstream.producer.tokenizer import BytesTokenizer, make_tokenizer, tokenizer_source
-from rollstream.shared.settings import EngineSettings
+from rollstream.shared.engine_settings import EngineSettings
 
 
 @pytest.mark.parametrize(
