@@ -578,7 +578,8 @@ class Direct:
     the producer, Redis and the trainer (rollstream / actor)."""
 
     def __init__(self, settings: Settings, p: Params, client: redis.Redis) -> None:
-        from rollstream.producer.fleet.pool import EnginePool, init_ray
+        from rollstream.producer.fleet.actors import init_ray
+        from rollstream.producer.fleet.pool import EnginePool
 
         self.p = p
         init_ray(RunControl(client, Keys(settings.run)).ray_address())

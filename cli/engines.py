@@ -45,7 +45,8 @@ def engines(
 
     import ray
 
-    from rollstream.producer.fleet.pool import EnginePool, PoolError, actor_name, init_ray, namespace
+    from rollstream.producer.fleet.actors import PoolError, actor_name, init_ray, namespace
+    from rollstream.producer.fleet.pool import EnginePool
 
     address = address or settings.ray.address
     if not foreground and not address and not stop_engines:
@@ -179,7 +180,8 @@ def engines_scale(
     ``wait`` wait until it serves them; without an engines process (detached engines)
     scale here. `rollstream engines scale --min A --max B` sets the autoscale rule the
     engines process follows instead."""
-    from rollstream.producer.fleet.pool import EnginePool, PoolError, init_ray
+    from rollstream.producer.fleet.actors import PoolError, init_ray
+    from rollstream.producer.fleet.pool import EnginePool
 
     client = connect(settings.redis)
     keys = Keys(settings.run)

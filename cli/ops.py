@@ -84,7 +84,8 @@ def check(settings: Settings, *, engines: bool = False) -> int:
         print(f"warning: {risk}")
     if not engines:
         return 0
-    from rollstream.producer.fleet.pool import EnginePool, PoolError, init_ray
+    from rollstream.producer.fleet.actors import PoolError, init_ray
+    from rollstream.producer.fleet.pool import EnginePool
 
     address = settings.ray.address or RunControl(client, Keys(settings.run)).ray_address()
     if not address:

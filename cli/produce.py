@@ -30,7 +30,8 @@ def produce(
     import asyncio
 
     from rollstream.producer.assembly import build_producer
-    from rollstream.producer.fleet.pool import BasePool, EnginePool, LocalPool, PoolError
+    from rollstream.producer.fleet.actors import PoolError
+    from rollstream.producer.fleet.pool import BasePool, EnginePool, LocalPool
 
     with running(settings, Role.PRODUCER, stop, heartbeat=False, follow=False, mode=settings.rollout.mode,
                  engines="local" if local_engines else settings.engines.kind) as process:  # fmt: skip
@@ -93,7 +94,7 @@ def _follow_engine_count(process: Process, pool: Any, loop: Any, stop: threading
     (found by name), those scaled in get no new work."""
     import ray
 
-    from rollstream.producer.fleet.pool import actor_name, namespace
+    from rollstream.producer.fleet.actors import actor_name, namespace
 
     count = EngineCount(process.client, Keys(process.run))
     while not stop.wait(SCALE_POLL_S):

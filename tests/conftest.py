@@ -175,7 +175,7 @@ def ray_local() -> Iterator[None]:
     """A real local Ray, started once for the whole session (it takes seconds)."""
     import ray
 
-    from rollstream.producer.fleet.pool import init_ray
+    from rollstream.producer.fleet.actors import init_ray
 
     init_ray(local=True)
     yield

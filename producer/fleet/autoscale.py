@@ -50,7 +50,7 @@ class SilentEngines:
         self.warned: set[int] = set()
 
     def note(self, healths: list[Any]) -> None:
-        from rollstream.producer.fleet.pool import describe_needs
+        from rollstream.producer.fleet.actors import describe_needs
 
         now = time.monotonic()
         for i, health in enumerate(healths):
@@ -87,7 +87,8 @@ def scale_engines(
     the engines left)."""
     import ray
 
-    from rollstream.producer.fleet.pool import EnginePool, create_engine, describe_needs, remove_engine
+    from rollstream.producer.fleet.actors import create_engine, describe_needs, remove_engine
+    from rollstream.producer.fleet.pool import EnginePool
 
     current = len(pool.handles)
     if target > current:

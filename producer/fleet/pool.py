@@ -30,22 +30,12 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from rollstream.producer.engines import make_engine
 from rollstream.producer.engines.base import Engine, EngineHealth, Generation, SamplingParams, dumps, loads
 from rollstream.producer.fleet.actors import (
-    WAIT_WARNING_S,
-    EngineActor,
     PoolError,
     actor_name,
-    actor_options,
     create_engine,
-    describe_needs,
-    engine_env,
     engine_indices,
-    engine_payload,
     first_line,
-    init_ray,
     namespace,
-    placement_bundles,
-    placement_group_name,
-    placement_group_options,
     remove_engine,
     wait_for_engines,
 )
@@ -54,29 +44,7 @@ from rollstream.shared.engine_settings import EngineSettings
 from rollstream.shared.waiting import NotYet, wait_until
 
 # the actors' names, re-exported: callers import them from here
-__all__ = [
-    "WAIT_WARNING_S",
-    "BasePool",
-    "EngineActor",
-    "EnginePool",
-    "LocalPool",
-    "PoolError",
-    "PoolResult",
-    "actor_name",
-    "actor_options",
-    "create_engine",
-    "describe_needs",
-    "engine_env",
-    "engine_indices",
-    "engine_payload",
-    "init_ray",
-    "namespace",
-    "placement_bundles",
-    "placement_group_name",
-    "placement_group_options",
-    "remove_engine",
-    "wait_for_engines",
-]
+__all__ = ["BasePool", "EnginePool", "LocalPool", "PoolResult"]
 
 ANSWER_TIMEOUT_S = 5.0  # an engine that takes longer to report its health is not answering
 COOLDOWN_S = 2.0  # an engine whose call failed gets no new work this long (doubling in a row)

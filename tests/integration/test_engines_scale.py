@@ -11,7 +11,8 @@ import ray
 import redis
 
 from rollstream.cli.engines import engines_scale
-from rollstream.producer.fleet.pool import EnginePool, actor_name, engine_indices, namespace
+from rollstream.producer.fleet.actors import actor_name, engine_indices, namespace
+from rollstream.producer.fleet.pool import EnginePool
 from rollstream.producer.fleet.scaling import ENGINES_SERVING, EngineCount
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl

@@ -14,7 +14,8 @@ import ray
 import redis
 
 from rollstream.producer.engines.base import FINISH_LENGTH, SamplingParams
-from rollstream.producer.fleet.pool import EnginePool, PoolResult, actor_name, namespace
+from rollstream.producer.fleet.actors import actor_name, namespace
+from rollstream.producer.fleet.pool import EnginePool, PoolResult
 from rollstream.shared.embedded import EmbeddedRedis
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys
@@ -63,7 +64,8 @@ ATTACHER = textwrap.dedent(
     """
     import asyncio, sys
     from rollstream.producer.engines.base import SamplingParams
-    from rollstream.producer.fleet.pool import EnginePool, init_ray
+    from rollstream.producer.fleet.pool import EnginePool
+    from rollstream.producer.fleet.actors import init_ray
     from rollstream.shared.settings import load_settings
 
     init_ray(sys.argv[1])
@@ -87,7 +89,7 @@ def test_a_second_process_attaches_to_the_named_actors(pool: EnginePool, run_nam
 
 
 def test_attach_without_engines_says_what_is_missing(run_name: str) -> None:
-    from rollstream.producer.fleet.pool import PoolError
+    from rollstream.producer.fleet.actors import PoolError
 
     with pytest.raises(PoolError, match=f"rollstream:{run_name}:engine:0"):
         EnginePool.attach(run_name, pool_settings(run_name).engines.count)

@@ -18,7 +18,7 @@ from rollstream.producer.engines import vllm as vllm_engine
 from rollstream.producer.engines import vllm_args
 from rollstream.producer.engines.base import EngineError
 from rollstream.producer.engines.selfcheck import Reference, first_difference
-from rollstream.producer.fleet.pool import engine_env
+from rollstream.producer.fleet.actors import engine_env
 from rollstream.shared.engine_settings import EngineSettings, VLLMEngineSettings
 from tests.helpers import require, wait_for_async
 

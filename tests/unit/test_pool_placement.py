@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollstream.producer.fleet.pool import (
+from rollstream.producer.fleet.actors import (
     actor_options,
     describe_needs,
     engine_payload,
