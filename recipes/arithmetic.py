@@ -22,8 +22,10 @@ from typing import Any
 from rollstream.shared.records import Prompt
 
 TASK = "arithmetic"
+MODEL = "smollm2-135m"
 JUDGE = "math"
 MAX_TOKENS = 24
+LR = 2e-6  # Adam on a pretrained model: a small step
 TEMPLATE = "What is {a} {op} {b}? Answer with just the number."
 # operand ranges per operation: sums and differences of two-digit numbers, products of a
 # two-digit and a one-digit number

@@ -37,6 +37,7 @@ from rollstream.consumer.evaluation import EvalSet, Evaluator
 from rollstream.consumer.losses import AlgorithmConfig
 from rollstream.consumer.trainer import ReferenceTrainer, StepLog
 from rollstream.recipes import reverse
+from rollstream.recipes.tasks import REVERSE, LearningTask
 from rollstream.shared.connection import connect
 from rollstream.shared.records import Prompt
 from rollstream.shared.runconfig import open_buffer
@@ -156,13 +157,21 @@ class LearnResult:
 
 
 def learning_settings(
-    recipe: Recipe, redis_url: str, run: str, model_dir: Path, *, engines: int = 2, n: int = 8
+    recipe: Recipe,
+    redis_url: str,
+    run: str,
+    model_dir: Path | str,
+    *,
+    engines: int = 2,
+    n: int = 8,
+    task: LearningTask = REVERSE,
 ) -> Settings:
-    """The run's settings: the reverse task on hf engines, the recipe's rollout and algorithm."""
+    """The run's settings: ``task`` (the reverse task unless named) on hf engines, the
+    recipe's rollout and algorithm."""
     return load_settings(
         run=run,
         redis={"url": redis_url},
-        tasks=[{"name": reverse.TASK, "n": n}],
+        tasks=[{"name": task.name, "n": n}],
         engines={
             "kind": "hf",
             "count": engines,
@@ -178,9 +187,9 @@ def learning_settings(
             "on_weight_sync": recipe.on_weight_sync,
         },
         producer={
-            "judge": "reverse",
+            "judge": task.judge,
             "is_valid": "keep_all",  # as the reference: a group without signal stays in the batch
-            "max_tokens": reverse.MAX_TOKENS,
+            "max_tokens": task.max_tokens,
             "temperature": 1.0,
             "max_inflight": 32,
             "heartbeat_s": 0.5,
@@ -223,18 +232,21 @@ def run_learning(
     engines: int = 2,
     producers: int = 1,
     eval_every: int = 0,
-    eval_prompts: int = 32,
+    eval_prompts: int | None = None,
     stop_at: float | None = None,
     run: str | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
-    lr: float = reverse.LR,
+    lr: float | None = None,
     stop_at_accuracy: float | None = None,
     stop: threading.Event | None = None,
     cold: threading.Event | None = None,
+    task: LearningTask = REVERSE,
 ) -> LearnResult:
-    """One run of ``recipe``: up to ``steps`` train steps (fewer once the trailing mean
-    reward reaches ``stop_at``, or an eval's greedy accuracy on the held-out prompts
-    reaches ``stop_at_accuracy``), an eval every ``eval_every`` steps (0: none).
+    """One run of ``recipe`` on ``task`` (the reverse task unless named; its learning rate
+    and eval size unless ``lr`` and ``eval_prompts`` are given): up to ``steps`` train
+    steps (fewer once the trailing mean reward reaches ``stop_at``, or an eval's greedy
+    accuracy on the held-out prompts reaches ``stop_at_accuracy``), an eval every
+    ``eval_every`` steps (0: none).
 
     ``stop`` (a SIGTERM's, say) ends the training after the step in progress, which is
     committed, as the reference trainer's warm stop does, and no eval follows; ``cold``
@@ -249,20 +261,22 @@ def run_learning(
     started = time.monotonic()
     work = Path(work_dir)
     run = run or f"learn-{recipe.name}-{seed}"
-    model_dir = reverse.save_model(work / run / "model", seed)
-    train, held_out = reverse.all_prompts(seed)
-    settings = learning_settings(recipe, redis_url, run, model_dir, engines=engines)
+    model_dir = task.model(work / run / "model", seed)
+    train, held_out = task.prompts(seed)
+    settings = learning_settings(recipe, redis_url, run, model_dir, engines=engines, task=task)
     client = connect(settings.redis)
     # enough for every step, what admission lets producers run ahead, and the evals' none
     ahead = (settings.rollout.stale_threshold + 2) * PROMPTS_PER_STEP
     feed = training_prompts(train, steps * PROMPTS_PER_STEP + ahead, seed)
     fed = open_buffer(client, settings, f"{run}-feeder").feed(feed).added
     torch.manual_seed(seed)
-    policy = PolicyGradient(str(model_dir), str(work / run / "weights"), lr=lr, algorithm=recipe.algorithm)
+    lr = task.lr if lr is None else lr
+    policy = PolicyGradient(model_dir, str(work / run / "weights"), lr=lr, algorithm=recipe.algorithm)
     evaluator = None
     if eval_every > 0:
         coordinator = create_coordinator(settings, client=client, consumer=f"{run}-eval")
-        evaluator = Evaluator(coordinator, eval_sets(held_out, eval_prompts), eval_every)
+        count = task.eval_prompts if eval_prompts is None else eval_prompts
+        evaluator = Evaluator(coordinator, eval_sets(held_out, count), eval_every)
     trainer = create_trainer(
         settings, client=client, consumer=f"{run}-trainer", policy=policy, evaluator=evaluator
     )

@@ -52,3 +52,20 @@ def test_steps_and_seconds_to_the_target() -> None:
     assert (result.steps_to(0.9, 3), result.seconds_to(0.9, 3)) == (5, 2.5)
     summary = result.summary()
     assert summary["reward_by_step"] == rewards and summary["eval_accuracy"] is None
+
+
+def test_the_real_model_task_runs_through_the_same_recipes() -> None:
+    # issue 34: the arithmetic task on smollm2-135m, by name, with the math judge
+    from rollstream.recipes import arithmetic
+    from rollstream.recipes.tasks import ARITHMETIC, TASKS
+
+    settings = learning.learning_settings(
+        learning.RECIPES["async"], "redis://h:1/0", "r", ARITHMETIC.model(Path("unused"), 0), task=ARITHMETIC
+    )
+    assert [t.name for t in settings.tasks] == [arithmetic.TASK] and TASKS[arithmetic.TASK] is ARITHMETIC
+    assert settings.engines.kind == "hf" and settings.engines.hf.model == "smollm2-135m"
+    assert settings.producer.judge == "math" and settings.producer.max_tokens == arithmetic.MAX_TOKENS
+    assert settings.rollout.mode == "async"
+    train, held_out = ARITHMETIC.prompts(0)
+    assert len(held_out) == ARITHMETIC.eval_prompts == 200
+    assert not {p.uid for p in train} & {p.uid for p in held_out}

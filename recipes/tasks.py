@@ -1,0 +1,53 @@
+"""What a learning run trains on: the model, the prompts, the judge and the few numbers
+that go with them. The recipes of rollstream.recipes.learning (how to train: sync or
+async, which correction) run any of these.
+
+- ``REVERSE``: the reverse task's 14k-parameter model, made on the spot (recipes/reverse.py).
+- ``ARITHMETIC``: SmolLM2-135M-Instruct (`smollm2-135m`, shared/models.py) on two-digit
+  arithmetic (recipes/arithmetic.py), greedy held-out accuracy 15% before training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollstream.recipes import arithmetic, reverse
+from rollstream.shared.records import Prompt
+
+
+@dataclass(frozen=True, slots=True)
+class LearningTask:
+    name: str  # the task's stream
+    judge: str
+    max_tokens: int
+    lr: float
+    # the model a run starts from, made (or found) for a run in a directory of its own
+    model: Callable[[Path, int], str]
+    # (train, held-out) prompts of a seed
+    prompts: Callable[[int], tuple[list[Prompt], list[Prompt]]]
+    eval_prompts: int = 32
+
+
+def _reverse_model(directory: Path, seed: int) -> str:
+    return str(reverse.save_model(directory, seed))
+
+
+def _arithmetic_prompts(seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    return arithmetic.prompts(4000, seed), arithmetic.prompts(200, seed, split="held_out")
+
+
+REVERSE = LearningTask(
+    reverse.TASK, "reverse", reverse.MAX_TOKENS, reverse.LR, _reverse_model, reverse.all_prompts
+)
+ARITHMETIC = LearningTask(
+    arithmetic.TASK,
+    arithmetic.JUDGE,
+    arithmetic.MAX_TOKENS,
+    arithmetic.LR,
+    lambda directory, seed: arithmetic.MODEL,  # converted once into the model cache, not per run
+    _arithmetic_prompts,
+    eval_prompts=200,
+)
+TASKS = {t.name: t for t in (REVERSE, ARITHMETIC)}
