@@ -12,6 +12,8 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
                last soak.json is gathered when there is one
   summary      bench/summary.py: what the summary field of group entries costs
   learning     bench/learning.py: a model learns through rollstream; sync vs async steps and seconds
+  learning_real bench/learning_real.py: smollm2-135m on arithmetic through rollstream (sync,
+               async) and a plain loop: held-out accuracy before and after, steps to base + 20 points
   vllm_pipeline bench/vllm_pipeline.py (P5): rollstream on a vLLM engine against vLLM alone;
                the weight-sync time of each engine kind
   metrics_scrape bench/metrics_scrape.py: Redis time of one scrape of `rollstream metrics`,
@@ -47,6 +49,7 @@ BENCHES: dict[str, list[str]] = {
     "durability": [],
     "summary": [],
     "learning": [],
+    "learning_real": [],
     "vllm_pipeline": [],
     "metrics_scrape": [],
     "archive": [],
@@ -187,6 +190,15 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             )
         }
         out["summary"]["hot_path_us"] = {k: v["hot_path_us"] for k, v in summary["shapes"].items()}
+    if real := read_json(RESULTS / "learning_real.json"):
+        out["learning_real"] = {
+            "base_accuracy": real["base_accuracy"],
+            "target": real["target"],
+            "ways": {
+                run["way"]: {"accuracy": run["curve"][-1][2] if run["curve"] else None, "steps": run["steps"]}
+                for run in real["runs"]
+            },
+        }
     if learn := read_json(RESULTS / "learning.json"):
         out["learning"] = {
             "target": learn["target"],
@@ -406,6 +418,16 @@ def summary_table(r: dict[str, Any]) -> str:
                     f"{show(learn['recipes']['sync']['seconds_to_target'], '.1f')} wall seconds",
                     "< 1" if corrected else "-",
                     x["seconds_over_sync"]["median"] < 1 if corrected else None,
+                )
+    if real := r.get("learning_real"):
+        for way, x in real["ways"].items():
+            if x["accuracy"] is not None:
+                add(
+                    f"learning_real.{way}.accuracy",
+                    f"{x['accuracy']:.3f}",
+                    f"held-out greedy accuracy after {x['steps']} steps (base {real['base_accuracy']:.3f})",
+                    f">= {real['target']:.3f}",
+                    x["accuracy"] >= real["target"],
                 )
     if v := r.get("vllm_pipeline"):
         add(

@@ -19,7 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollstream.shared.records import Prompt
+from rollstream.consumer.batches import TrainBatch
+from rollstream.producer.engines.base import FINISH_LENGTH, FINISH_STOP
+from rollstream.producer.judges.base import apply_rewards
+from rollstream.producer.judges.math import MathJudge
+from rollstream.shared.buffer_types import Batch, BatchItem
+from rollstream.shared.records import Group, Prompt, Sample
+from rollstream.shared.streams import Entry
 
 TASK = "arithmetic"
 MODEL = "smollm2-135m"
@@ -74,25 +80,39 @@ def prompts(
     return out
 
 
-def greedy_answers(model_dir: str | Path, batch: list[Prompt], max_tokens: int = MAX_TOKENS) -> list[str]:
-    """The model's greedy responses to ``batch``, decoded: transformers' generate, left
-    padded, in batches of 32 (the check a user runs without rollstream)."""
+def load(model_dir: str | Path) -> tuple[Any, Any]:
+    """(model, tokenizer) of ``model_dir`` (a directory, or a known model's name) for
+    generating in this process, the tokenizer padding on the left."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
+    from rollstream.shared import models
+
+    path = models.resolve(str(model_dir))
+    tokenizer: Any = AutoTokenizer.from_pretrained(path, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, tokenizer
+
+
+def _encode(tokenizer: Any, batch: list[Prompt]) -> Any:
     texts = [
         tokenizer.apply_chat_template(p.prompt, add_generation_prompt=True, tokenize=False) for p in batch
     ]
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def greedy_answers(
+    model: Any, tokenizer: Any, batch: list[Prompt], max_tokens: int = MAX_TOKENS
+) -> list[str]:
+    """The model's greedy responses to ``batch``, decoded: transformers' generate, left
+    padded, in batches of 32 (the check a user runs without rollstream)."""
+    import torch
+
     answers: list[str] = []
-    for start in range(0, len(texts), 32):
-        enc = tokenizer(
-            texts[start : start + 32], return_tensors="pt", padding=True, add_special_tokens=False
-        )
+    for start in range(0, len(batch), 32):
+        enc = _encode(tokenizer, batch[start : start + 32])
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
@@ -102,8 +122,6 @@ def greedy_answers(model_dir: str | Path, batch: list[Prompt], max_tokens: int =
 
 def accuracy(batch: list[Prompt], answers: list[str]) -> float:
     """Exact-match accuracy of ``answers`` as the math judge scores them."""
-    from rollstream.producer.judges.math import MathJudge
-
     judge = MathJudge()
     scores = [
         judge.score(text, str(p.meta["answer"]))["score"] for p, text in zip(batch, answers, strict=True)
@@ -111,14 +129,54 @@ def accuracy(batch: list[Prompt], answers: list[str]) -> float:
     return sum(scores) / len(scores) if scores else 0.0
 
 
-def calibrate(model_dir: str | Path, count: int = 200, seed: int = 0) -> dict[str, float]:
+def calibrate(model_dir: str | Path = MODEL, count: int = 200, seed: int = 0) -> dict[str, float]:
     """The greedy exact-match accuracy on ``count`` held-out prompts, per operation and in all."""
+    model, tokenizer = load(model_dir)
     figures: dict[str, float] = {}
     everything: list[tuple[Prompt, str]] = []
     for op in RANGES:
         batch = prompts(count // len(RANGES), seed, split="held_out", ops=(op,))
-        answers = greedy_answers(model_dir, batch)
+        answers = greedy_answers(model, tokenizer, batch)
         figures[op] = accuracy(batch, answers)
         everything += zip(batch, answers, strict=True)
     figures["all"] = accuracy([p for p, _ in everything], [a for _, a in everything])
     return figures
+
+
+def sample_groups(model: Any, tokenizer: Any, batch: list[Prompt], n: int, step: int) -> list[Group]:
+    """n samples of each prompt at temperature 1 from ``model`` in this process, with the
+    logprobs an engine records, judged by the math judge: the plain loop's rollout."""
+    import torch
+
+    enc = _encode(tokenizer, [p for p in batch for _ in range(n)])
+    width = enc["input_ids"].shape[1]
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=True, temperature=1.0, top_k=0,
+                             pad_token_id=tokenizer.pad_token_id, output_scores=True,
+                             return_dict_in_generate=True)  # fmt: skip
+        logprobs = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    judge, groups = MathJudge(), []
+    for g, prompt in enumerate(batch):
+        samples = []
+        for row in range(g * n, (g + 1) * n):
+            ids = [int(i) for i in out.sequences[row, width:]]
+            stopped = tokenizer.eos_token_id in ids
+            end = ids.index(tokenizer.eos_token_id) + 1 if stopped else len(ids)
+            pad = int(enc["attention_mask"][row].sum())
+            samples.append(
+                Sample(
+                    enc["input_ids"][row, width - pad :].tolist(), ids[:end], logprobs[row, :end].tolist(),
+                    [step] * end, finish_reason=FINISH_STOP if stopped else FINISH_LENGTH,
+                    text=tokenizer.decode(ids[:end], skip_special_tokens=True),
+                )
+            )  # fmt: skip
+        group = Group.for_prompt(prompt, samples=samples)
+        apply_rewards(group.samples, judge(prompt, group.samples))
+        groups.append(group)
+    return groups
+
+
+def as_batch(step: int, groups: list[Group]) -> TrainBatch:
+    """Groups as the TrainBatch PolicyGradient takes (nothing to commit: no Redis)."""
+    items = [BatchItem(Entry("", "groups", TASK, "0-0", {}), g) for g in groups]
+    return TrainBatch(step, {TASK: Batch(TASK, items)})

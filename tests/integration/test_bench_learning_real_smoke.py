@@ -1,0 +1,52 @@
+"""bench/learning_real.py at its smoke size: smollm2-135m on arithmetic for 2 steps through
+rollstream (sync and async: hf engines in Ray actors, a producer, the reference trainer,
+weights after each step) and through the plain loop, each evaluated greedily on held-out
+prompts, its JSON and plot written and gathered by run_all. No learning is asserted here
+(2 steps teach nothing measurable): the benchmark's full run is for that."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import require
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.heavy]
+
+require("gguf", "real-model", load=False)
+require("transformers", "hf", load=False)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def bench(results: Path, *args: str, timeout: float) -> str:
+    env = {**os.environ, "ROLLSTREAM_BENCH_RESULTS": str(results)}
+    done = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(1500)
+def test_the_real_model_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    bench(tmp_path, "bench/learning_real.py", "--quick", timeout=1400)
+    report = json.loads((tmp_path / "learning_real.json").read_text())
+    assert 0.0 <= report["base_accuracy"] <= 1.0
+    assert report["target"] == pytest.approx(report["base_accuracy"] + 0.2)
+    runs = {r["way"]: r for r in report["runs"]}
+    assert set(runs) == {"sync", "async", "plain"}
+    for way, run in runs.items():
+        assert 1 <= run["steps"] <= 2, way
+        assert run["curve"] and all(0.0 <= acc <= 1.0 for _, _, acc in run["curve"]), way
+        assert run["samples_per_s"] > 0, way
+    assert (tmp_path / "learning_real.png").stat().st_size > 10_000
+    table = bench(tmp_path, "bench/run_all.py", "--only", timeout=120)  # gathers what is there
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert set(latest["learning_real"]["ways"]) == {"sync", "async", "plain"}
+    assert "learning_real.sync.accuracy" in table
