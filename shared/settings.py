@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -318,6 +318,17 @@ class Settings(BaseSettings):
         if dupes:
             raise ValueError(f"names must be unique, repeated: {', '.join(dupes)}")
         return tasks
+
+    @model_validator(mode="after")
+    def _adapters_reach_the_engines(self) -> Settings:
+        kind = self.engines.kind
+        if self.algorithm.lora_rank and kind not in ("hf", "sim"):
+            raise ValueError(
+                f"algorithm.lora_rank is {self.algorithm.lora_rank}: weight syncs then carry a LoRA adapter "
+                f"only, which hf engines merge; engines.kind {kind!r} cannot take it yet: use engines.kind "
+                "'hf', or lora_rank 0 (full weights)"
+            )
+        return self
 
     def task(self, name: str) -> TaskSettings:
         for task in self.tasks:

@@ -46,6 +46,10 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field
 
 INDEX = "model.safetensors.index.json"
+# A LoRA adapter travels as two tensors per adapted layer P (its name in the base model):
+# P.lora_A (rank x in) and P.lora_B (out x rank, LoRA's scale folded in); an engine sets
+# P.weight to its loaded weight + lora_B @ lora_A (consumer/lora.py, hf_weights.py)
+LORA_A, LORA_B = ".lora_A", ".lora_B"
 SHM = Path("/dev/shm")
 log = logging.getLogger(__name__)
 

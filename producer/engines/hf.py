@@ -116,6 +116,8 @@ class HFEngine:
         self._context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self._params = dict(self.model.state_dict())
         self._sources: dict[str, str] = {}  # where each tensor was last read from (transports)
+        # the loaded weights of the layers a LoRA adapter has come for (hf_weights.merge_adapters)
+        self._lora_base: dict[str, torch.Tensor] = {}
         self._requests: dict[str, _Request] = {}
         self._started = time.monotonic()
         self._busy_s = 0.0  # in forward passes, since the start: health's busy_total
@@ -204,7 +206,9 @@ class HFEngine:
         state: dict[str, torch.Tensor] = {}
         sources = self._sources
         if path:
-            state, sources = await asyncio.to_thread(hf_weights.read_weights, path, sources, self._params)
+            state, sources = await asyncio.to_thread(
+                hf_weights.read_weights, path, sources, self._params, self._lora_base
+            )
 
         def apply() -> None:
             with torch.no_grad():

@@ -9,9 +9,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 from pydantic import BaseModel, Field
 
 from rollstream.shared import algorithm_settings, engine_settings, settings, settings_errors
+from rollstream.shared.errors import SettingsError
+from rollstream.shared.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,3 +85,13 @@ def test_the_messages_walk_the_root_they_are_given() -> None:
         "double quotes: line 1 column 2 (char 1)); expected a JSON object of inner's settings, as in "
         "{\"size\": 1} (or set ROLLSTREAM_INNER__SIZE and the like instead), got '{'",
     ]
+
+
+def test_a_lora_run_needs_engines_that_merge_adapters() -> None:
+    # algorithm.lora_rank > 0: syncs carry the adapter only (consumer/lora.py), which hf engines merge
+    tree = load_settings(algorithm={"lora_rank": 8}, engines={"kind": "hf"})
+    assert tree.algorithm.lora_rank == 8 and tree.algorithm.lora_targets[0] == "q_proj"
+    with pytest.raises(SettingsError, match=r"algorithm\.lora_rank is 8.*engines\.kind 'vllm'"):
+        load_settings(algorithm={"lora_rank": 8}, engines={"kind": "vllm"})
+    with pytest.raises(SettingsError, match=r"algorithm\.lora_rank"):
+        load_settings(algorithm={"lora_rank": -1})
