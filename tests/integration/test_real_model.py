@@ -79,3 +79,31 @@ def test_the_engine_and_the_trainer_load_it_by_name_and_agree(in_cache: Path, tm
     assert out[0, len(prompt) :].tolist() == engine_tokens
     answer = engine.tokenizer.decode(engine_tokens)
     assert any(ch.isdigit() for ch in answer), answer  # a chat model that answers, not noise
+
+
+def test_a_lora_sync_of_the_real_model_moves_under_two_per_cent_of_its_bytes(
+    in_cache: Path, tmp_path: Path
+) -> None:
+    from rollstream.consumer.losses import AlgorithmConfig
+    from rollstream.shared.transports import TransportSettings
+
+    full = PolicyGradient(NAME, str(tmp_path / "full"))
+    full_bytes = sum(t.numel() * t.element_size() for t in full.tensors().values())
+    del full
+    weights = TransportSettings(kind="file", dir=str(tmp_path / "sent"))
+    policy = PolicyGradient(NAME, str(tmp_path / "lora"), lr=1e-3, algorithm=AlgorithmConfig(lora_rank=8),
+                            weights=weights)  # fmt: skip
+    ids = torch.tensor([[1, 42, 7, 99, 1003, 5]])
+    loss = policy.model(input_ids=ids).logits.logsumexp(-1).mean()
+    loss.backward()
+    policy.optimizer.step()
+    sent = policy.tensors()
+    adapter_bytes = sum(t.numel() * t.element_size() for t in sent.values())
+    assert 0 < adapter_bytes <= 0.02 * full_bytes, (adapter_bytes, full_bytes)
+    engine = HFEngine(HFEngineSettings(model=NAME))
+    asyncio.run(engine.update_weights(1, policy.save(1)))
+    policy.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(
+            engine.model(input_ids=ids).logits, policy.model(input_ids=ids).logits, atol=1e-4
+        )
