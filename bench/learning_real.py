@@ -121,6 +121,55 @@ def plain(args: argparse.Namespace, held_out: list[Any], target: float) -> dict[
             "samples_per_s": steps * learning.PROMPTS_PER_STEP * 8 / seconds, "wall_s": seconds}  # fmt: skip
 
 
+def sync_costs(repeats: int = 3) -> list[dict[str, Any]]:
+    """One weight sync of the real model, full weights against a LoRA adapter (rank 8 on the
+    attention projections), side by side: the bytes sent, the trainer's send and an hf
+    engine's read-and-apply, through the file transport on tmpfs (/dev/shm)."""
+    import asyncio
+
+    import torch
+
+    from rollstream.consumer.losses import AlgorithmConfig
+    from rollstream.consumer.pg import PolicyGradient
+    from rollstream.producer.engines.hf import HFEngine
+    from rollstream.shared.engine_settings import HFEngineSettings
+    from rollstream.shared.transports import SHM, TransportSettings
+
+    rows = []
+    for name, algorithm in (("full", AlgorithmConfig()), ("lora r8", AlgorithmConfig(lora_rank=8))):
+        with tempfile.TemporaryDirectory(dir=SHM if SHM.is_dir() else None) as shm:
+            weights = TransportSettings(kind="file", dir=shm)
+            policy = PolicyGradient(arithmetic.MODEL, shm, lr=1e-4, algorithm=algorithm, weights=weights)
+            engine = HFEngine(HFEngineSettings(model=arithmetic.MODEL))
+            send, apply = [], []
+            for step in range(1, repeats + 1):
+                ids = torch.randint(10, 1000, (1, 16))
+                policy.optimizer.zero_grad()
+                policy.model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+                policy.optimizer.step()
+                started = time.perf_counter()
+                uri = policy.save(step)
+                send.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                asyncio.run(engine.update_weights(step, uri))
+                apply.append(time.perf_counter() - started)
+            sent = sum(t.numel() * t.element_size() for t in policy.tensors().values())
+            rows.append({"way": name, "bytes": sent, "send_s": min(send), "apply_s": min(apply)})
+            del policy, engine
+    return rows
+
+
+def sync_table(syncs: list[dict[str, Any]]) -> str:
+    full = syncs[0]
+    whole = full["send_s"] + full["apply_s"]
+    rows = [
+        [s["way"], f"{s['bytes']:,}", f"{s['bytes'] / full['bytes']:.2%}", f"{s['send_s']:.3f}",
+         f"{s['apply_s']:.3f}", f"{(s['send_s'] + s['apply_s']) / whole:.2f}"]
+        for s in syncs
+    ]  # fmt: skip
+    return table(["sync", "bytes", "of full", "send s", "apply s", "time of full"], rows)
+
+
 def to_target(curve: list[tuple[int, float, float]], target: float) -> tuple[int | None, float | None]:
     hit = next(((step, s) for step, s, acc in curve if acc >= target), None)
     return hit if hit is not None else (None, None)
@@ -152,6 +201,11 @@ def main() -> int:
     torch.set_num_threads(1)  # the trainer's; each engine actor has its one CPU
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     logging.basicConfig(level=logging.WARNING)
+    syncs = sync_costs()
+    print(sync_table(syncs), flush=True)
+    if args.sync_only:
+        write_json({"syncs": syncs}, RESULTS / "learning_real_sync.json")
+        return 0
     held_out = ARITHMETIC.prompts(args.seed)[1][: args.eval_prompts]
     base = base_accuracy(held_out)
     target = base + args.gain
@@ -170,7 +224,8 @@ def main() -> int:
             runs.append(run)
             last = run["curve"][-1][2] if run["curve"] else None
             print(f"{way}: {run['steps']} steps in {run['wall_s']:.0f} s, accuracy {last}", flush=True)
-    report = {"seed": args.seed, "base_accuracy": base, "target": target, "steps": args.steps, "runs": runs}
+    report = {"seed": args.seed, "base_accuracy": base, "target": target, "steps": args.steps, "runs": runs,
+              "syncs": syncs}  # fmt: skip
     write_json(report, RESULTS / "learning_real.json")
     plot(report, RESULTS / "learning_real.png")
     rows = []

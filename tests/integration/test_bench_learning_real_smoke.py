@@ -45,6 +45,10 @@ def test_the_real_model_benchmark_at_smoke_size(tmp_path: Path) -> None:
         assert 1 <= run["steps"] <= 2, way
         assert run["curve"] and all(0.0 <= acc <= 1.0 for _, _, acc in run["curve"]), way
         assert run["samples_per_s"] > 0, way
+    full, lora = report["syncs"]
+    assert (full["way"], lora["way"]) == ("full", "lora r8")
+    assert 0 < lora["bytes"] <= 0.02 * full["bytes"]  # an adapter-only sync: under 2% of the bytes
+    assert all(s["send_s"] > 0 and s["apply_s"] > 0 for s in (full, lora))
     assert (tmp_path / "learning_real.png").stat().st_size > 10_000
     table = bench(tmp_path, "bench/run_all.py", "--only", timeout=120)  # gathers what is there
     latest = json.loads((tmp_path / "latest.json").read_text())
