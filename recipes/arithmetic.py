@@ -23,6 +23,7 @@ from rollstream.consumer.batches import TrainBatch
 from rollstream.producer.engines.base import FINISH_LENGTH, FINISH_STOP
 from rollstream.producer.judges.base import apply_rewards
 from rollstream.producer.judges.math import MathJudge
+from rollstream.recipes import prompts as prompt_files
 from rollstream.shared.buffer_types import Batch, BatchItem
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.streams import Entry
@@ -49,6 +50,13 @@ def _question(rng: random.Random, op: str) -> tuple[int, int, int]:
         a, b = b, a  # no negative answers: the model's weakest case is not the point
     answer = a + b if op == "+" else a - b if op == "-" else a * b
     return a, b, answer
+
+
+def write_prompt_files(directory: str | Path, seed: int = 0, count: int = 4000) -> tuple[Path, Path]:
+    """train.jsonl (``count`` prompts) and eval.jsonl (200 held-out ones) in ``directory``,
+    for `rollstream feed --task arithmetic` and `rollstream train --eval-file`."""
+    train, held = prompts(count, seed), prompts(200, seed, split="held_out")
+    return prompt_files.write_prompt_files(directory, train, held)
 
 
 def held_out(question: tuple[str, int, int]) -> bool:

@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.losses import AlgorithmConfig
 from rollstream.producer.engines.base import FINISH_LENGTH, FINISH_STOP
 from rollstream.producer.judges.base import apply_rewards
 from rollstream.producer.judges.reverse import ReverseJudge
+from rollstream.recipes import prompts as prompt_files
 from rollstream.shared.buffer_types import Batch, BatchItem
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.streams import Entry
@@ -132,17 +131,8 @@ def all_prompts(seed: int = 0) -> tuple[list[Prompt], list[Prompt]]:
 
 
 def write_prompt_files(directory: str | Path, seed: int = 0) -> tuple[Path, Path]:
-    """train.jsonl and eval.jsonl in ``directory`` (the prompt-file format of
-    ``rollstream feed``); returns their paths."""
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, prompts in zip(("train", "eval"), all_prompts(seed), strict=True):
-        path = folder / f"{name}.jsonl"
-        rows = ({"uid": p.uid, "prompt": p.prompt, "meta": p.meta} for p in prompts)
-        path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-        paths.append(path)
-    return paths[0], paths[1]
+    """train.jsonl and eval.jsonl of the task in ``directory`` (recipes/prompts.py)."""
+    return prompt_files.write_prompt_files(directory, *all_prompts(seed))
 
 
 # --- the reference: the same learning in one plain loop ------------------------------

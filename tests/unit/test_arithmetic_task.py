@@ -4,8 +4,11 @@ judge's final answer."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from rollstream.producer.prompts import read_prompt_file
 from rollstream.recipes import arithmetic
 
 
@@ -45,3 +48,12 @@ def test_accuracy_is_the_math_judges_exact_match() -> None:
     ]
     expected = 2 / 3 if truth[2] != "7" else 1.0
     assert arithmetic.accuracy(batch, answers) == pytest.approx(expected)
+
+
+def test_the_prompt_files_read_back_as_rollstream_feed_reads_them(tmp_path: Path) -> None:
+    train_path, eval_path = arithmetic.write_prompt_files(tmp_path, seed=1, count=50)
+    train = read_prompt_file(train_path, arithmetic.TASK)
+    held = read_prompt_file(eval_path, arithmetic.TASK)
+    assert [p.uid for p in train] == [p.uid for p in arithmetic.prompts(50, seed=1)]
+    assert len(held) == 200 and train[0].prompt == arithmetic.prompts(1, seed=1)[0].prompt
+    assert held[0].meta == arithmetic.prompts(1, seed=1, split="held_out")[0].meta
