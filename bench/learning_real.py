@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     )
     args = p.parse_args()
     if args.quick:
-        args.steps, args.eval_every, args.eval_prompts = 2, 2, 24
+        args.steps, args.eval_every, args.eval_prompts, args.save_policies = 2, 2, 24, ""
     return args
 
 
@@ -67,6 +67,7 @@ def through_rollstream(
     result = learning.run_learning(
         recipe, redis_url=url, work_dir=tmp, seed=args.seed, steps=args.steps, engines=2,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, stop_at_accuracy=target, task=ARITHMETIC,
+        save_to=Path(args.save_policies) / f"smollm2-135m-arithmetic-{way}" if args.save_policies else None,
     )  # fmt: skip
     curve = [(s.step, s.seconds, s.eval_accuracy) for s in result.evals if s.eval_accuracy is not None]
     n = result.settings.tasks[0].n

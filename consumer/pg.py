@@ -139,6 +139,21 @@ class PolicyGradient:
             save_model(self.model, str(path / "model.safetensors"), metadata={"format": "pt"})
         return str(path)
 
+    def save_pretrained(self, directory: str | Path, tokenizer_from: str) -> Path:
+        """The trained policy as a Hugging Face directory (``save_pretrained``: config,
+        safetensors, and the tokenizer of ``tokenizer_from``, a directory or a known
+        model's name), which anyone loads without rollstream or peft: a LoRA adapter is
+        merged into a copy of the model, the policy trains on unchanged."""
+        import copy
+
+        from transformers import AutoTokenizer
+
+        model = copy.deepcopy(self.model).merge_and_unload() if self.lora else self.model
+        path = Path(directory)
+        model.save_pretrained(path, safe_serialization=True)
+        AutoTokenizer.from_pretrained(models.resolve(tokenizer_from)).save_pretrained(path)
+        return path
+
     def tensors(self) -> dict[str, Any]:
         """What a weight sync sends: the adapter's tensors with LoRA, else every weight
         (tied ones once)."""

@@ -241,12 +241,14 @@ def run_learning(
     stop: threading.Event | None = None,
     cold: threading.Event | None = None,
     task: LearningTask = REVERSE,
+    save_to: str | Path | None = None,
 ) -> LearnResult:
     """One run of ``recipe`` on ``task`` (the reverse task unless named; its learning rate
     and eval size unless ``lr`` and ``eval_prompts`` are given): up to ``steps`` train
     steps (fewer once the trailing mean reward reaches ``stop_at``, or an eval's greedy
     accuracy on the held-out prompts reaches ``stop_at_accuracy``), an eval every
-    ``eval_every`` steps (0: none).
+    ``eval_every`` steps (0: none). ``save_to``: where the trained policy goes at the end, a
+    Hugging Face directory anyone can load.
 
     ``stop`` (a SIGTERM's, say) ends the training after the step in progress, which is
     committed, as the reference trainer's warm stop does, and no eval follows; ``cold``
@@ -293,6 +295,8 @@ def run_learning(
         )
     finally:
         EnginePool.stop(settings.run, settings.engines.count)
+    if save_to is not None:
+        policy.save_pretrained(save_to, model_dir)
     return result
 
 

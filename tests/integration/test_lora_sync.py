@@ -94,3 +94,20 @@ def test_an_adapter_that_does_not_fit_is_refused_before_anything_changes() -> No
     params["m.q_proj.weight"].copy_(merged["m.q_proj.weight"])  # the engine applied it
     again = merge_adapters("u", {"m.q_proj" + LORA_A: a, "m.q_proj" + LORA_B: b}, params, base)
     assert torch.equal(again["m.q_proj.weight"], torch.full((6, 4), 2.0))  # on the base, not on top
+
+
+def test_the_trained_policy_is_a_directory_anyone_loads(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = save_model(tmp_path / "model", seed=5)
+    policy = PolicyGradient(str(model_dir), str(tmp_path / "out"), lr=1e-2, algorithm=LORA)
+    train_a_step(policy, seed=1)
+    saved = policy.save_pretrained(tmp_path / "trained", str(model_dir))
+    loaded: Any = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)  # no peft in sight
+    policy.model.eval()
+    assert torch.allclose(logits(loaded), logits(policy.model), atol=1e-5)
+    assert not torch.allclose(
+        logits(loaded), logits(AutoModelForCausalLM.from_pretrained(model_dir)), atol=1e-4
+    )
+    assert AutoTokenizer.from_pretrained(saved).chat_template  # the tokenizer went with it
+    train_a_step(policy, seed=2)  # the policy still trains: the merge was a copy's
