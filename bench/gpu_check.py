@@ -114,6 +114,7 @@ def part_transports(args: argparse.Namespace) -> dict[str, Any]:
 def learn(device: str, steps: int, seed: int = 0) -> dict[str, Any]:
     """The reverse task: the hf engine samples each step's groups, PolicyGradient trains on
     them, the weights go back through the file transport (tmpfs) before the next step."""
+    from rollstream.consumer.batches import TrainBatch
     from rollstream.consumer.pg import PolicyGradient
     from rollstream.producer.engines.base import SamplingParams
     from rollstream.producer.engines.hf import HFEngine
@@ -167,7 +168,7 @@ def learn(device: str, steps: int, seed: int = 0) -> dict[str, Any]:
         try:
             for step in range(1, steps + 1):
                 groups = asyncio.run(sample(order.sample(train, 8), step - 1))
-                policy(reverse.as_batch(step, groups))
+                policy(TrainBatch.of_groups(step, groups))
                 asyncio.run(engine.update_weights(step, policy.save(step)))
                 rewards.append(sum(s.score or 0.0 for g in groups for s in g.samples) / (8 * len(groups)))
                 if reverse.steps_to(rewards, 0.9) is not None:

@@ -89,6 +89,7 @@ def plain(args: argparse.Namespace, held_out: list[Any], target: float) -> dict[
     """The same GRPO step on the same prompts, the rollout sampled in this process."""
     import torch
 
+    from rollstream.consumer.batches import TrainBatch
     from rollstream.consumer.pg import PolicyGradient
 
     train, _ = ARITHMETIC.prompts(args.seed)
@@ -106,7 +107,7 @@ def plain(args: argparse.Namespace, held_out: list[Any], target: float) -> dict[
             groups = arithmetic.sample_groups(
                 policy.model, tokenizer, order.sample(train, learning.PROMPTS_PER_STEP), 8, step - 1
             )
-            policy(arithmetic.as_batch(step, groups))
+            policy(TrainBatch.of_groups(step, groups))
             steps = step
             if step % args.eval_every == 0 or step == args.steps:
                 policy.model.eval()

@@ -67,6 +67,17 @@ class TrainBatch:
     _buffer: ReplayBuffer | None = None
     _redis: RedisSettings | None = None  # with wait_replicas: commit waits for the replicas
 
+    @classmethod
+    def of_groups(cls, step: int, groups: list[Group]) -> TrainBatch:
+        """Groups made outside Redis as a batch of train step ``step``, by their tasks, with
+        nothing to commit: what a plain in-process loop hands the same loss."""
+        tasks: dict[str, list[BatchItem]] = {}
+        for group in groups:
+            tasks.setdefault(group.task, []).append(
+                BatchItem(Entry("", "groups", group.task, "0-0", {}), group)
+            )
+        return cls(step, {task: Batch(task, items) for task, items in tasks.items()})
+
     @property
     def groups(self) -> list[Group]:
         return [g for batch in self.batches.values() for g in batch.groups]

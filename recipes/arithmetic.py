@@ -19,14 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollstream.consumer.batches import TrainBatch
 from rollstream.producer.engines.base import FINISH_LENGTH, FINISH_STOP
 from rollstream.producer.judges.base import apply_rewards
 from rollstream.producer.judges.math import MathJudge
 from rollstream.recipes import prompts as prompt_files
-from rollstream.shared.buffer_types import Batch, BatchItem
 from rollstream.shared.records import Group, Prompt, Sample
-from rollstream.shared.streams import Entry
 
 TASK = "arithmetic"
 MODEL = "smollm2-135m"
@@ -182,9 +179,3 @@ def sample_groups(model: Any, tokenizer: Any, batch: list[Prompt], n: int, step:
         apply_rewards(group.samples, judge(prompt, group.samples))
         groups.append(group)
     return groups
-
-
-def as_batch(step: int, groups: list[Group]) -> TrainBatch:
-    """Groups as the TrainBatch PolicyGradient takes (nothing to commit: no Redis)."""
-    items = [BatchItem(Entry("", "groups", TASK, "0-0", {}), g) for g in groups]
-    return TrainBatch(step, {TASK: Batch(TASK, items)})

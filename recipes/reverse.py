@@ -37,9 +37,7 @@ from rollstream.producer.engines.base import FINISH_LENGTH, FINISH_STOP
 from rollstream.producer.judges.base import apply_rewards
 from rollstream.producer.judges.reverse import ReverseJudge
 from rollstream.recipes import prompts as prompt_files
-from rollstream.shared.buffer_types import Batch, BatchItem
 from rollstream.shared.records import Group, Prompt, Sample
-from rollstream.shared.streams import Entry
 
 log = logging.getLogger(__name__)
 
@@ -195,12 +193,6 @@ def sample_groups(model: Any, prompts: list[Prompt], n: int, generator: Any, ste
     return groups
 
 
-def as_batch(step: int, groups: list[Group]) -> TrainBatch:
-    """Groups as the TrainBatch PolicyGradient takes (nothing to commit: no Redis)."""
-    items = [BatchItem(Entry("", "groups", TASK, "0-0", {}), g) for g in groups]
-    return TrainBatch(step, {TASK: Batch(TASK, items)})
-
-
 def train_in_process(
     model_dir: str | Path,
     steps: int,
@@ -231,7 +223,7 @@ def train_in_process(
         for step in range(1, steps + 1):
             prompts = order.sample(train, prompts_per_step)
             groups = sample_groups(policy.model, prompts, n, generator, step - 1)
-            policy(as_batch(step, groups))
+            policy(TrainBatch.of_groups(step, groups))
             reward = sum(s.score or 0.0 for g in groups for s in g.samples) / (len(groups) * n)
             run.rewards.append(reward)
             if on_step is not None:
