@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import base64
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import orjson
+from pydantic import BaseModel
 
+from rollstream.shared import models
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE, FloatArray, IdArray
 
@@ -159,3 +162,19 @@ def _restore(value: Any) -> Any:
     if isinstance(value, list):
         return [_restore(v) for v in value]
     return value
+
+
+ModelSettings = TypeVar("ModelSettings", bound=BaseModel)
+
+
+def local_model(settings: ModelSettings, kind: str) -> tuple[ModelSettings, Path]:
+    """An engine's settings with ``model`` the directory to load, and that directory: a
+    known model by name (smollm2-135m) is its cached conversion (shared/models.py)."""
+    name = str(getattr(settings, "model", ""))
+    try:
+        path = Path(models.resolve(name))
+    except models.ModelError as exc:
+        raise EngineError(f"{kind} engine: {exc}") from exc
+    if name and str(path) != name:
+        settings = settings.model_copy(update={"model": str(path)})
+    return settings, path

@@ -37,7 +37,6 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,11 +52,10 @@ from rollstream.producer.engines.base import (
     EngineHealth,
     Generation,
     SamplingParams,
+    local_model,
 )
 from rollstream.producer.engines.hf_decode import Batch, Row
-from rollstream.shared import models
 from rollstream.shared.engine_settings import EngineSettings, HFEngineSettings
-from rollstream.shared.models import ModelError
 from rollstream.shared.records import ID_DTYPE, LOGPROB_DTYPE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,12 +89,7 @@ class _Call:
 
 class HFEngine:
     def __init__(self, settings: HFEngineSettings, model_step: int = 0) -> None:
-        try:  # a known model by name (smollm2-135m) loads from its cached conversion
-            path = Path(models.resolve(settings.model))
-        except ModelError as exc:
-            raise EngineError(f"hf engine: {exc}") from exc
-        if settings.model and str(path) != settings.model:
-            settings = settings.model_copy(update={"model": str(path)})
+        settings, path = local_model(settings, "hf")  # a known model: its cached conversion
         self.settings = settings
         self.model_step = model_step
         self.paused = False

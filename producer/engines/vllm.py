@@ -41,7 +41,6 @@ import logging
 import os
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +53,7 @@ from rollstream.producer.engines.base import (
     EngineHealth,
     Generation,
     SamplingParams,
+    local_model,
 )
 
 # what vLLM is handed and what is read back from it: vllm_args.py
@@ -61,9 +61,7 @@ from rollstream.producer.engines.vllm_args import RELOAD_METHOD, engine_args, sa
 from rollstream.producer.engines.vllm_args import environment as _environment
 from rollstream.producer.engines.vllm_args import sampled_logprobs as _sampled_logprobs
 from rollstream.producer.engines.vllm_args import stat_logger as _stat_logger
-from rollstream.shared import models
 from rollstream.shared.engine_settings import EngineSettings, VLLMEngineSettings
-from rollstream.shared.models import ModelError
 from rollstream.shared.records import ID_DTYPE
 
 log = logging.getLogger(__name__)
@@ -101,12 +99,7 @@ class _BusyClock:
 
 class VLLMEngine:
     def __init__(self, settings: VLLMEngineSettings, model_step: int = 0) -> None:
-        try:  # a known model by name (smollm2-135m) loads from its cached conversion
-            path = Path(models.resolve(settings.model))
-        except ModelError as exc:
-            raise EngineError(f"vllm engine: {exc}") from exc
-        if settings.model and str(path) != settings.model:
-            settings = settings.model_copy(update={"model": str(path)})
+        settings, path = local_model(settings, "vllm")  # a known model: its cached conversion
         self.settings = settings
         self.model_step = model_step
         self.paused = False
