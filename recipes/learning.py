@@ -191,11 +191,11 @@ def learning_settings(
             "is_valid": "keep_all",  # as the reference: a group without signal stays in the batch
             "max_tokens": task.max_tokens,
             "temperature": 1.0,
-            "max_inflight": 32,
+            "max_inflight": task.max_inflight,
             "heartbeat_s": 0.5,
-            # fixed: the dynamic one (4 x the mean group time) takes the burst of an eval
-            # batch, queued behind the others on the engines, for stragglers to retry
-            "group_timeout_s": 60.0,
+            # fixed (the task's): the dynamic one (4 x the mean group time) takes the burst of
+            # an eval batch, queued behind the others on the engines, for stragglers to retry
+            "group_timeout_s": task.group_timeout_s,
         },
         algorithm=recipe.algorithm.model_dump(),
     )

@@ -28,6 +28,10 @@ class LearningTask:
     # (train, held-out) prompts of a seed
     prompts: Callable[[int], tuple[list[Prompt], list[Prompt]]]
     eval_prompts: int = 32
+    # the producer's: groups in flight, and how long one may take (on the engines' CPUs, a
+    # real model's group of 8 takes far longer than the reverse task's 14k-parameter one)
+    max_inflight: int = 32
+    group_timeout_s: float = 60.0
 
 
 def _reverse_model(directory: Path, seed: int) -> str:
@@ -49,5 +53,7 @@ ARITHMETIC = LearningTask(
     lambda directory, seed: arithmetic.MODEL,  # converted once into the model cache, not per run
     _arithmetic_prompts,
     eval_prompts=200,
+    max_inflight=16,  # two steps' groups: more only queue on the engines, past their timeout
+    group_timeout_s=900.0,
 )
 TASKS = {t.name: t for t in (REVERSE, ARITHMETIC)}
