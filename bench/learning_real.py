@@ -48,6 +48,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--ways", nargs="+", default=["sync", "async", "plain"], choices=["sync", "async", "plain"]
     )
+    p.add_argument("--sync-only", action="store_true", help="only the weight sync's cost, full against LoRA")
+    p.add_argument(
+        "--save-policies", default=str(RESULTS / "policies"),
+        help="where each rollstream run's trained policy goes (a Hugging Face directory; '': none; --quick: none)",
+    )  # fmt: skip
     args = p.parse_args()
     if args.quick:
         args.steps, args.eval_every, args.eval_prompts, args.save_policies = 2, 2, 24, ""
