@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sync-only", action="store_true", help="only the weight sync's cost, full against LoRA")
     p.add_argument(
         "--save-policies", default=str(RESULTS / "policies"),
-        help="where each rollstream run's trained policy goes (a Hugging Face directory; '': none; --quick: none)",
+        help="each rollstream run's trained policy goes here (a Hugging Face directory; '': none)",
     )  # fmt: skip
     args = p.parse_args()
     if args.quick:
