@@ -4,10 +4,13 @@ fires to a real Alertmanager, which routes it with the shipped config
 reach the page receiver, tickets the ticket one, and while a run's Redis is down
 (RollstreamRunDown) that run's other alerts are held back, not those of another run.
 
-The rules here fire at once or after 5 s (`vector(1)` with the labels the shipped rules
-give; the trainer stalls after Redis went down, as in a run: Alertmanager inhibits by the
-source alerts it holds when a group's notice is due, and one that arrives in the same
-instant as its target may come too late for it), since
+The rules here fire at once (`vector(1)` with the labels the shipped rules give) or, for
+the stalled trainers, once this test says so (a gauge it serves, which Prometheus
+scrapes): the trainers stall after the Alertmanager holds r2's RunDown, as in a run.
+Alertmanager inhibits by the source alerts it holds when a group's notice is due, and a
+target that arrives with its source may come too late for it; a fixed `for:` of 5 s
+was that order's only guard, and on a loaded machine Prometheus found the Alertmanager
+after both had fired and sent them together. The rules are made up here since
 promtool's unit tests already cover when the shipped rules fire; the Alertmanager config
 is the shipped one with its receivers pointed at this test and its group_wait shortened.
 Debian's prometheus and prometheus-alertmanager packages (`make test` installs them
@@ -44,12 +47,10 @@ groups:
         expr: vector(1)
         labels: {severity: page, run: r2}
       - alert: RollstreamTrainerStalled
-        expr: vector(1)
-        for: 5s
+        expr: max(test_trainers_stalled) > 0
         labels: {severity: page, run: r2}
       - alert: RollstreamTrainerStalled
-        expr: vector(1)
-        for: 5s
+        expr: max(test_trainers_stalled) > 0
         labels: {severity: page, run: r1}
       - alert: RollstreamDeadLettersRising
         expr: vector(1)
@@ -67,13 +68,23 @@ def binary(name: str, package: str) -> str:
 
 
 class Receiver:
-    """Webhook receivers on one port: what Alertmanager posts, by path (/page, /ticket)."""
+    """Webhook receivers on one port: what Alertmanager posts, by path (/page, /ticket);
+    and on /metrics the gauge that stalls the trainers (``stalled``)."""
 
     def __init__(self) -> None:
         self.got: list[tuple[str, dict[str, Any]]] = []
-        received = self.got
+        self.stalled = threading.Event()
+        received, stalled = self.got, self.stalled
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = f"test_trainers_stalled {int(stalled.is_set())}\n".encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 received.append((self.path, json.loads(body)))
@@ -124,12 +135,18 @@ def get(url: str) -> Any:
         return json.loads(reply.read())
 
 
-def inhibited(am_url: str) -> set[tuple[str, str]]:
+def held(am_url: str, *, inhibited: bool = False) -> set[tuple[str, str]]:
+    """(alertname, run) of the alerts the Alertmanager holds (``inhibited``: of those held
+    back by another)."""
     try:
         alerts = get(f"{am_url}/api/v2/alerts")
     except OSError:
         return set()
-    return {(a["labels"]["alertname"], a["labels"]["run"]) for a in alerts if a["status"]["inhibitedBy"]}
+    return {
+        (a["labels"]["alertname"], a["labels"].get("run", ""))
+        for a in alerts
+        if a["status"]["inhibitedBy"] or not inhibited
+    }
 
 
 @pytest.mark.timeout(120)
@@ -148,10 +165,12 @@ def test_prometheus_alerts_reach_their_receivers_through_the_shipped_alertmanage
     config["route"]["group_interval"] = "1s"
     (tmp_path / "alertmanager.yml").write_text(yaml.safe_dump(config))
     (tmp_path / "rules.yml").write_text(RULES)
+    gauge = f"127.0.0.1:{receiver.port}"  # the stalled trainers' gauge
     (tmp_path / "prometheus.yml").write_text(
         yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": ["rules.yml"],
+            "scrape_configs": [{"job_name": "test", "static_configs": [{"targets": [gauge]}]}],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
         })
     )  # fmt: skip
@@ -179,6 +198,9 @@ def test_prometheus_alerts_reach_their_receivers_through_the_shipped_alertmanage
     am_url = f"http://127.0.0.1:{am_port}"
     pages = {("RollstreamRunDown", "r2"), ("RollstreamTrainerStalled", "r1")}
     try:
+        # the trainers stall once the Alertmanager holds r2's Redis down
+        wait_for(lambda: ("RollstreamRunDown", "r2") in held(am_url), timeout=60)
+        receiver.stalled.set()
         wait_for(
             lambda: (
                 receiver.alerts("/page") >= pages
@@ -187,9 +209,9 @@ def test_prometheus_alerts_reach_their_receivers_through_the_shipped_alertmanage
             timeout=60,
         )
         # and r2's stalled trainer is held back by r2's Redis being down (r1's is not)
-        wait_for(lambda: ("RollstreamTrainerStalled", "r2") in inhibited(am_url), timeout=30)
+        wait_for(lambda: ("RollstreamTrainerStalled", "r2") in held(am_url, inhibited=True), timeout=30)
     except AssertionError:
         raise AssertionError(f"received: {receiver.got}\n{logs()}") from None
-    assert ("RollstreamTrainerStalled", "r1") not in inhibited(am_url)
+    assert ("RollstreamTrainerStalled", "r1") not in held(am_url, inhibited=True)
     assert ("RollstreamTrainerStalled", "r2") not in receiver.alerts("/page")
     assert receiver.alerts("/ticket") == {("RollstreamDeadLettersRising", "r1")}
