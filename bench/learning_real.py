@@ -16,7 +16,7 @@ samples per second; writes learning_real.json and learning_real.png (accuracy ag
 and against seconds).
 
     .venv/bin/python bench/learning_real.py              # 60 steps each, ~2 h on 2 cores
-    .venv/bin/python bench/learning_real.py --quick      # smoke: 2 steps each, 24 held-out prompts
+    .venv/bin/python bench/learning_real.py --quick      # smoke: 1 step of sync and plain, 8 prompts
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from rollstream.shared.embedded import EmbeddedRedis
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a smoke run: 2 steps each, 24 held-out prompts")
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1 step of sync and plain, 8 held-out prompts"
+    )
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-prompts", type=int, default=200)
@@ -54,8 +56,10 @@ def parse_args() -> argparse.Namespace:
         help="each rollstream run's trained policy goes here (a Hugging Face directory; '': none)",
     )  # fmt: skip
     args = p.parse_args()
-    if args.quick:
-        args.steps, args.eval_every, args.eval_prompts, args.save_policies = 2, 2, 24, ""
+    if args.quick:  # one step of rollstream sync and of the plain loop, 8 held-out prompts
+        args.steps, args.eval_every, args.eval_prompts, args.save_policies = 1, 1, 8, ""
+        if "--ways" not in sys.argv:
+            args.ways = ["sync", "plain"]
     return args
 
 
@@ -208,7 +212,7 @@ def main() -> int:
     torch.set_num_threads(1)  # the trainer's; each engine actor has its one CPU
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     logging.basicConfig(level=logging.WARNING)
-    syncs = sync_costs()
+    syncs = sync_costs(repeats=1 if args.quick else 3)
     print(sync_table(syncs), flush=True)
     if args.sync_only:
         write_json({"syncs": syncs}, RESULTS / "learning_real_sync.json")

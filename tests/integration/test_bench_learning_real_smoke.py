@@ -1,8 +1,10 @@
-"""bench/learning_real.py at its smoke size: smollm2-135m on arithmetic for 2 steps through
-rollstream (sync and async: hf engines in Ray actors, a producer, the reference trainer,
-weights after each step) and through the plain loop, each evaluated greedily on held-out
-prompts, its JSON and plot written and gathered by run_all. No learning is asserted here
-(2 steps teach nothing measurable): the benchmark's full run is for that."""
+"""bench/learning_real.py at its smoke size: smollm2-135m on arithmetic for one step through
+rollstream (sync: hf engines in Ray actors, a producer, the reference trainer, the weights
+to the engines) and through the plain loop, each evaluated greedily on 8 held-out prompts,
+one weight sync full against LoRA, its JSON and plot written and gathered by run_all. No
+learning is asserted here (one step teaches nothing measurable): the benchmark's full run
+is for that. About 8 minutes on 2 cores: the engines' CPUs generate 64 samples of a 135M
+model, the trainer takes a step on them."""
 
 from __future__ import annotations
 
@@ -33,16 +35,16 @@ def bench(results: Path, *args: str, timeout: float) -> str:
     return done.stdout
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2400)
 def test_the_real_model_benchmark_at_smoke_size(tmp_path: Path) -> None:
-    bench(tmp_path, "bench/learning_real.py", "--quick", timeout=1400)
+    bench(tmp_path, "bench/learning_real.py", "--quick", timeout=2200)
     report = json.loads((tmp_path / "learning_real.json").read_text())
     assert 0.0 <= report["base_accuracy"] <= 1.0
     assert report["target"] == pytest.approx(report["base_accuracy"] + 0.2)
     runs = {r["way"]: r for r in report["runs"]}
-    assert set(runs) == {"sync", "async", "plain"}
+    assert set(runs) == {"sync", "plain"}
     for way, run in runs.items():
-        assert 1 <= run["steps"] <= 2, way
+        assert run["steps"] == 1, way
         assert run["curve"] and all(0.0 <= acc <= 1.0 for _, _, acc in run["curve"]), way
         assert run["samples_per_s"] > 0, way
     full, lora = report["syncs"]
@@ -52,5 +54,5 @@ def test_the_real_model_benchmark_at_smoke_size(tmp_path: Path) -> None:
     assert (tmp_path / "learning_real.png").stat().st_size > 10_000
     table = bench(tmp_path, "bench/run_all.py", "--only", timeout=120)  # gathers what is there
     latest = json.loads((tmp_path / "latest.json").read_text())
-    assert set(latest["learning_real"]["ways"]) == {"sync", "async", "plain"}
+    assert set(latest["learning_real"]["ways"]) == {"sync", "plain"}
     assert "learning_real.sync.accuracy" in table
