@@ -42,9 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="a smoke run: 1 step of sync and plain, 8 held-out prompts"
     )
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-prompts", type=int, default=200)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--eval-every", type=int, default=3)
+    p.add_argument("--eval-prompts", type=int, default=len(arithmetic.questions("held_out")))
     p.add_argument("--gain", type=float, default=0.20, help="the accuracy over the base model's to reach")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

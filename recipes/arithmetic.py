@@ -1,15 +1,25 @@
 """Arithmetic for a real pretrained model: a verifiable task generated in code, no data
 set to download.
 
-Each prompt asks for one two-digit sum, difference or product as a chat message; the
-ground truth is the exact integer, and the `math` judge scores a response by its final
-answer (the last \\boxed{} or, failing one, the last number: "score" 1.0 or 0.0, "format"
-1.0 where it boxed an answer). Train and held-out prompts are drawn from one seeded
-stream and told apart by their operands, so no held-out question is ever trained on.
+Each prompt asks for one product of the times tables (``a`` x ``b``, both in 2..12) as a
+chat message, in one of five phrasings; the ground truth is the exact integer, and the
+`math` judge scores a response by its final answer (the last \\boxed{} or, failing one,
+the last number: "score" 1.0 or 0.0, "format" 1.0 where it boxed an answer). A product is
+held out by its two operands, in either order, so no held-out product is ever trained
+on, not even as b x a: 205 held-out prompts (41 products, five phrasings each), 400 to
+train on.
 
-The mix and the wording are calibrated on SmolLM2-135M-Instruct (`smollm2-135m`): its
-greedy exact-match accuracy on the held-out prompts is what a learning run has to raise
-(``calibrate`` measures it; bench/learning_real.py and the README give the figures).
+Calibrated on SmolLM2-135M-Instruct (`smollm2-135m`). It was tried first on sums,
+differences and products of one- and two-digit numbers: greedy accuracy 16 %, mostly
+wrong arithmetic even where it answered "a + b = c" and stopped, and a GRPO run on the
+plain loop barely moved it in the steps a CPU affords. On small products it knows the
+answer (where it writes "a * b = c" and stops it is right about 9 times in 10) but about
+half the time it rambles instead ("To solve this, we need to convert 6 to a mixed
+number...") or writes more numbers after the answer, so its greedy exact-match accuracy
+on the held-out prompts is 42 % (per phrasing from 20 % to 56 %: ``calibrate``), and RL
+has room to raise it within a 2-core machine's budget. Most of what a run gains is the
+answer's form, learned on the train products and carried to the held-out ones; the
+README and bench/learning_real.py give the figures.
 """
 
 from __future__ import annotations
@@ -29,60 +39,56 @@ TASK = "arithmetic"
 MODEL = "smollm2-135m"
 JUDGE = "math"
 MAX_TOKENS = 24
-LR = 2e-6  # Adam on a pretrained model: a small step
-TEMPLATE = "What is {a} {op} {b}? Answer with just the number."
-# operand ranges per operation: sums and differences of two-digit numbers, products of a
-# two-digit and a one-digit number
-RANGES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
-    "+": ((10, 99), (10, 99)),
-    "-": ((10, 99), (10, 99)),
-    "*": ((10, 99), (2, 9)),
-}
+LR = 1e-5  # AdamW on a pretrained model, full weights
+LOW, HIGH = 2, 12  # the operands' range, both ends in
+PHRASINGS = (
+    "What is {a} * {b}? Answer with just the number.",
+    "What is {a} times {b}? Answer with just the number.",
+    "Multiply {a} by {b}. Answer with just the number.",
+    "Compute {a} * {b}. Answer with just the number.",
+    "Calculate {a} * {b}. Answer with just the number.",
+)
 
 
-def _question(rng: random.Random, op: str) -> tuple[int, int, int]:
-    (lo_a, hi_a), (lo_b, hi_b) = RANGES[op]
-    a, b = rng.randint(lo_a, hi_a), rng.randint(lo_b, hi_b)
-    if op == "-" and b > a:
-        a, b = b, a  # no negative answers: the model's weakest case is not the point
-    answer = a + b if op == "+" else a - b if op == "-" else a * b
-    return a, b, answer
+def held_out(a: int, b: int) -> bool:
+    """About one product in three is held out, by its operands alone, in either order
+    (stable across seeds)."""
+    lo, hi = min(a, b), max(a, b)
+    return (lo * 131 + hi * 31) % 3 == 0
 
 
-def write_prompt_files(directory: str | Path, seed: int = 0, count: int = 4000) -> tuple[Path, Path]:
-    """train.jsonl (``count`` prompts) and eval.jsonl (200 held-out ones) in ``directory``,
-    for `rollstream feed --task arithmetic` and `rollstream train --eval-file`."""
-    train, held = prompts(count, seed), prompts(200, seed, split="held_out")
-    return prompt_files.write_prompt_files(directory, train, held)
-
-
-def held_out(question: tuple[str, int, int]) -> bool:
-    """One in five questions is held out, by its operands alone (stable across seeds)."""
-    op, a, b = question
-    return (a * 131 + b * 31 + ord(op)) % 5 == 0
+def questions(split: str = "train", phrasings: Sequence[int] = range(len(PHRASINGS))) -> list[Prompt]:
+    """Every question of ``split`` ("train" or "held_out"), in a fixed order; the uid names
+    the product and the phrasing, so a question is fed once."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split is {split!r}: 'train' or 'held_out'")
+    out = []
+    for a in range(LOW, HIGH + 1):
+        for b in range(LOW, HIGH + 1):
+            if held_out(a, b) != (split == "held_out"):
+                continue
+            for t in phrasings:
+                message = {"role": "user", "content": PHRASINGS[t].format(a=a, b=b)}
+                out.append(Prompt(f"mul-{a}-{b}-{t}", TASK, [message], meta={"answer": str(a * b)}))
+    return out
 
 
 def prompts(
-    count: int, seed: int = 0, *, split: str = "train", ops: Sequence[str] = tuple(RANGES)
+    count: int, seed: int = 0, *, split: str = "train", phrasings: Sequence[int] = range(len(PHRASINGS))
 ) -> list[Prompt]:
-    """``count`` distinct questions of ``split`` ("train" or "held_out"), drawn from the
-    seeded stream; the uid names the question, so a question is fed once."""
-    if split not in ("train", "held_out"):
-        raise ValueError(f"split is {split!r}: 'train' or 'held_out'")
-    rng = random.Random(seed)
-    out: list[Prompt] = []
-    seen: set[tuple[str, int, int]] = set()
-    while len(out) < count:
-        op = ops[rng.randrange(len(ops))]
-        a, b, answer = _question(rng, op)
-        key = (op, a, b)
-        if key in seen or held_out(key) != (split == "held_out"):
-            continue
-        seen.add(key)
-        name = {"+": "add", "-": "sub", "*": "mul"}[op]
-        message = {"role": "user", "content": TEMPLATE.format(a=a, op=op, b=b)}
-        out.append(Prompt(f"{name}-{a}-{b}", TASK, [message], meta={"answer": str(answer)}))
-    return out
+    """``count`` distinct questions of ``split`` in the seed's order."""
+    pool = questions(split, phrasings)
+    if count > len(pool):
+        raise ValueError(f"{count} {split} prompts asked for: the split has {len(pool)}")
+    random.Random(seed).shuffle(pool)
+    return pool[:count]
+
+
+def write_prompt_files(directory: str | Path, seed: int = 0, count: int | None = None) -> tuple[Path, Path]:
+    """train.jsonl (``count`` prompts, all when None) and eval.jsonl (every held-out one) in
+    ``directory``, for `rollstream feed --task arithmetic` and `rollstream train --eval-file`."""
+    train = prompts(len(questions()) if count is None else count, seed)
+    return prompt_files.write_prompt_files(directory, train, questions("held_out"))
 
 
 def load(model_dir: str | Path) -> tuple[Any, Any]:
@@ -134,15 +140,15 @@ def accuracy(batch: list[Prompt], answers: list[str]) -> float:
     return sum(scores) / len(scores) if scores else 0.0
 
 
-def calibrate(model_dir: str | Path = MODEL, count: int = 200, seed: int = 0) -> dict[str, float]:
-    """The greedy exact-match accuracy on ``count`` held-out prompts, per operation and in all."""
+def calibrate(model_dir: str | Path = MODEL) -> dict[str, float]:
+    """The greedy exact-match accuracy on the held-out prompts, per phrasing and in all."""
     model, tokenizer = load(model_dir)
     figures: dict[str, float] = {}
     everything: list[tuple[Prompt, str]] = []
-    for op in RANGES:
-        batch = prompts(count // len(RANGES), seed, split="held_out", ops=(op,))
+    for t, phrasing in enumerate(PHRASINGS):
+        batch = questions("held_out", phrasings=(t,))
         answers = greedy_answers(model, tokenizer, batch)
-        figures[op] = accuracy(batch, answers)
+        figures[phrasing] = accuracy(batch, answers)
         everything += zip(batch, answers, strict=True)
     figures["all"] = accuracy([p for p, _ in everything], [a for _, a in everything])
     return figures

@@ -215,11 +215,13 @@ def training_prompts(train: list[Prompt], count: int, seed: int) -> list[Prompt]
     return out[:count]
 
 
-def eval_sets(held_out: list[Prompt], count: int) -> list[EvalSet]:
-    """The held-out prompts sampled as in training ("heldout": mean@n of the partial
-    reward) and decoded greedily ("greedy": scored exact, its mean the accuracy)."""
-    sampled = EvalSet("heldout", held_out[:count])
-    return [sampled, sampled.greedy("greedy", scoring="exact")]
+def eval_sets(held_out: list[Prompt], count: int, sampled: bool = True) -> list[EvalSet]:
+    """The held-out prompts decoded greedily ("greedy": scored exact, its mean the
+    accuracy) and, where ``sampled``, sampled as in training ("heldout": mean@n of the
+    partial reward)."""
+    held = EvalSet("heldout", held_out[:count])
+    greedy = held.greedy("greedy", scoring="exact")
+    return [held, greedy] if sampled else [greedy]
 
 
 def run_learning(
@@ -278,7 +280,7 @@ def run_learning(
     if eval_every > 0:
         coordinator = create_coordinator(settings, client=client, consumer=f"{run}-eval")
         count = task.eval_prompts if eval_prompts is None else eval_prompts
-        evaluator = Evaluator(coordinator, eval_sets(held_out, count), eval_every)
+        evaluator = Evaluator(coordinator, eval_sets(held_out, count, task.sampled_eval), eval_every)
     trainer = create_trainer(
         settings, client=client, consumer=f"{run}-trainer", policy=policy, evaluator=evaluator
     )

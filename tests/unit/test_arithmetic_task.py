@@ -1,9 +1,10 @@
 """The arithmetic task for the real model (recipes/arithmetic.py): seeded, distinct
-questions with exact answers, train and held-out never sharing one, scored by the math
-judge's final answer."""
+questions with exact answers, train and held-out never sharing a product (in either
+order), scored by the math judge's final answer."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,10 @@ from rollstream.producer.prompts import read_prompt_file
 from rollstream.recipes import arithmetic
 
 
-def _ask(prompt: object) -> tuple[int, str, int]:
+def _ask(prompt: object) -> tuple[int, int]:
     content = prompt.prompt[0]["content"]  # type: ignore[attr-defined]
-    a, op, b = content.removeprefix("What is ").split("?")[0].split()
-    return int(a), op, int(b)
+    a, b = (int(x) for x in re.findall(r"\d+", content))
+    return a, b
 
 
 def test_questions_are_seeded_distinct_and_answered_exactly() -> None:
@@ -24,30 +25,34 @@ def test_questions_are_seeded_distinct_and_answered_exactly() -> None:
     assert [p.uid for p in batch] != [p.uid for p in arithmetic.prompts(300, seed=4)]
     assert len({p.uid for p in batch}) == 300
     for p in batch:
-        a, op, b = _ask(p)
+        a, b = _ask(p)
         assert p.task == arithmetic.TASK and p.prompt[0]["role"] == "user"
-        assert int(p.meta["answer"]) == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
-    assert {_ask(p)[1] for p in batch} == {"+", "-", "*"}
+        assert arithmetic.LOW <= min(a, b) and max(a, b) <= arithmetic.HIGH
+        assert int(p.meta["answer"]) == a * b
+    # every phrasing is asked
+    assert {p.uid.rsplit("-", 1)[1] for p in batch} == {str(t) for t in range(len(arithmetic.PHRASINGS))}
 
 
-def test_no_held_out_question_is_trained_on() -> None:
-    train = {p.uid for seed in range(3) for p in arithmetic.prompts(400, seed=seed)}
-    held = {p.uid for p in arithmetic.prompts(200, seed=0, split="held_out")}
-    assert len(held) == 200 and not train & held
+def test_no_held_out_product_is_trained_on_in_either_order() -> None:
+    train, held = arithmetic.questions("train"), arithmetic.questions("held_out")
+    span = arithmetic.HIGH - arithmetic.LOW + 1
+    assert len(held) >= 200 and len(train) + len(held) == len(arithmetic.PHRASINGS) * span * span
+    trained = {frozenset(_ask(p)) for p in train}
+    assert not trained & {frozenset(_ask(p)) for p in held}
     with pytest.raises(ValueError, match="'train' or 'held_out'"):
         arithmetic.prompts(1, split="test")
+    with pytest.raises(ValueError, match=f"the split has {len(held)}"):
+        arithmetic.prompts(len(held) + 1, split="held_out")
 
 
 def test_accuracy_is_the_math_judges_exact_match() -> None:
-    batch = arithmetic.prompts(3, seed=0, ops=("+",))
+    batch = arithmetic.prompts(3, seed=0)
     truth = [p.meta["answer"] for p in batch]
-    answers = [
-        f"{_ask(batch[0])[0]} + {_ask(batch[0])[2]} = {truth[0]}",
-        f"\\boxed{{{truth[1]}}}",
-        "I think 7",
-    ]
-    expected = 2 / 3 if truth[2] != "7" else 1.0
-    assert arithmetic.accuracy(batch, answers) == pytest.approx(expected)
+    a, b = _ask(batch[0])
+    answers = [f"{a} * {b} = {truth[0]}", f"\\boxed{{{truth[1]}}}", "I think 1"]
+    assert arithmetic.accuracy(batch, answers) == pytest.approx(2 / 3)
+    # the last number is the answer: a right product followed by more numbers is wrong
+    assert arithmetic.accuracy(batch[:1], [f"{a} * {b} = {truth[0]}, plus 3"]) == 0.0
 
 
 def test_the_prompt_files_read_back_as_rollstream_feed_reads_them(tmp_path: Path) -> None:
@@ -55,5 +60,6 @@ def test_the_prompt_files_read_back_as_rollstream_feed_reads_them(tmp_path: Path
     train = read_prompt_file(train_path, arithmetic.TASK)
     held = read_prompt_file(eval_path, arithmetic.TASK)
     assert [p.uid for p in train] == [p.uid for p in arithmetic.prompts(50, seed=1)]
-    assert len(held) == 200 and train[0].prompt == arithmetic.prompts(1, seed=1)[0].prompt
-    assert held[0].meta == arithmetic.prompts(1, seed=1, split="held_out")[0].meta
+    assert train[0].prompt == arithmetic.prompts(1, seed=1)[0].prompt
+    assert [p.uid for p in held] == [p.uid for p in arithmetic.questions("held_out")]
+    assert held[0].meta == arithmetic.questions("held_out")[0].meta
