@@ -27,7 +27,7 @@ def test_questions_are_seeded_distinct_and_answered_exactly() -> None:
     for p in batch:
         a, b = _ask(p)
         assert p.task == arithmetic.TASK and p.prompt[0]["role"] == "user"
-        assert arithmetic.LOW <= min(a, b) and max(a, b) <= arithmetic.HIGH
+        assert min(a, b) >= arithmetic.LOW and max(a, b) <= arithmetic.HIGH
         assert int(p.meta["answer"]) == a * b
     # every phrasing is asked
     assert {p.uid.rsplit("-", 1)[1] for p in batch} == {str(t) for t in range(len(arithmetic.PHRASINGS))}
