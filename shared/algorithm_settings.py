@@ -60,7 +60,7 @@ class AlgorithmSettings(BaseModel):
         ge=0,
         le=1024,
         description="0: train every weight; r > 0: train a LoRA adapter of rank r (peft) on lora_targets, "
-        "the base frozen, and send the engines the adapter's tensors only (hf engines merge them)",
+        "the base frozen, and send the engines the adapter's tensors only (hf and vllm engines merge them)",
     )
     lora_alpha: int = Field(default=16, ge=1, description="LoRA's scale is lora_alpha / lora_rank")
     lora_targets: list[str] = Field(

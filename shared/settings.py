@@ -322,11 +322,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _adapters_reach_the_engines(self) -> Settings:
         kind = self.engines.kind
-        if self.algorithm.lora_rank and kind not in ("hf", "sim"):
+        if self.algorithm.lora_rank and kind not in ("hf", "vllm", "sim"):
             raise ValueError(
                 f"algorithm.lora_rank is {self.algorithm.lora_rank}: weight syncs then carry a LoRA adapter "
-                f"only, which hf engines merge; engines.kind {kind!r} cannot take it yet: use engines.kind "
-                "'hf', or lora_rank 0 (full weights)"
+                f"only, which hf and vllm engines merge; engines.kind {kind!r} cannot take it yet: use "
+                "engines.kind 'hf' or 'vllm', or lora_rank 0 (full weights)"
             )
         return self
 

@@ -74,7 +74,7 @@ def hf_model(model_dir: str, weights: str | None = None) -> Any:
         from rollstream.producer.engines.vllm_worker import published_weights
 
         try:
-            state: dict[str, Any] = {k: v.clone() for k, v in published_weights(weights, ties=False)}
+            state = {k: v.clone() for k, v in published_weights(weights, ties=False, base=model_dir)}
         except (FileNotFoundError, OSError, ValueError) as exc:
             raise EngineError(f"cannot read the weights at {weights!r}: {exc}") from exc
         params = model.state_dict()

@@ -349,6 +349,47 @@ def test_weights_over_the_transports_decode_what_transformers_decodes(
         collective.close()
 
 
+@pytest.mark.parametrize("transport", ["file", "step-directory"])
+def test_a_lora_adapter_alone_makes_the_engine_decode_the_trainers_adapted_model(
+    pool: EnginePool, models: Models, tmp_path: Path, transport: str
+) -> None:
+    """algorithm.lora_rank > 0: a sync carries the adapter only; the engine's workers merge
+    it into the model they started from (vllm_worker.py) and decode what the trainer's
+    adapted model decodes, sync after sync (the self-check, on here, agrees)."""
+    require("peft", "lora", load=False)
+    import torch
+
+    from rollstream.consumer.losses import AlgorithmConfig
+    from rollstream.consumer.pg import PolicyGradient
+    from rollstream.shared.transports import LORA_A, LORA_B, TransportSettings
+
+    lora = AlgorithmConfig(lora_rank=4, lora_alpha=8, lora_targets=["q_proj", "v_proj"])
+    weights = TransportSettings(kind="file", dir=str(tmp_path / "sent")) if transport == "file" else None
+    policy = PolicyGradient(str(models.base), str(tmp_path / "out"), lr=0.2, algorithm=lora, weights=weights)
+    base = greedy_ids(models.hf[models.base], models.prompt, 16)
+
+    async def main() -> None:
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            loss = policy.model(input_ids=torch.randint(4, 60, (2, 12))).logits.logsumexp(-1).mean()
+            policy.optimizer.zero_grad()
+            loss.backward()
+            policy.optimizer.step()
+            step = next(STEPS)
+            assert all(k.endswith((LORA_A, LORA_B)) for k in policy.tensors())  # only the adapter
+            uri = policy.save(step)
+            assert await pool.sync_weights(step, uri, "abort", timeout_s=180) == []
+            policy.model.eval()
+            expected = greedy_ids(policy.model, models.prompt, 16)
+            policy.model.train()
+            (g,) = await generate(pool, models.prompt, greedy())
+            assert g.response_ids.tolist() == expected
+            assert g.versions.tolist() == [step] * 16
+        assert expected != base  # the adapter changed what the model decodes
+
+    run(main())
+
+
 def test_self_check_makes_an_engine_refuse_an_incomplete_checkpoint(
     pool: EnginePool, models: Models, tmp_path: Path
 ) -> None:

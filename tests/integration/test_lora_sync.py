@@ -111,3 +111,48 @@ def test_the_trained_policy_is_a_directory_anyone_loads(tmp_path: Path) -> None:
     )
     assert AutoTokenizer.from_pretrained(saved).chat_template  # the tokenizer went with it
     train_a_step(policy, seed=2)  # the policy still trains: the merge was a copy's
+
+
+@pytest.mark.parametrize("transport", ["file", "step-directory"])
+def test_the_vllm_workers_merge_makes_the_trainers_adapted_model(tmp_path: Path, transport: str) -> None:
+    """What a vLLM engine's workers load for an adapter-only sync (vllm_worker.py, run here
+    without vLLM; tests/integration/test_engine_vllm.py runs it in vLLM): the whole model
+    of the directory the engine started from, the adapter merged, the same at every sync."""
+    from transformers import AutoModelForCausalLM
+
+    from rollstream.producer.engines.selfcheck import hf_model
+    from rollstream.producer.engines.vllm_worker import published_weights
+
+    model_dir = save_model(tmp_path / "model", seed=3)
+    weights = TransportSettings(kind="file", dir=str(tmp_path / "sent")) if transport == "file" else None
+    policy = PolicyGradient(str(model_dir), str(tmp_path / "out"), lr=1e-2, algorithm=LORA, weights=weights)
+    engine: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for step in (1, 2):
+        train_a_step(policy, seed=step)
+        uri = policy.save(step)
+        state = dict(published_weights(uri, ties=False, base=str(model_dir)))
+        assert not [k for k in state if k.endswith((LORA_A, LORA_B))]
+        assert set(state) >= {k for k in engine.state_dict() if k != "lm_head.weight"}
+        engine.load_state_dict(state, strict=False)  # what vLLM's reload does with them
+        policy.model.eval()
+        assert torch.allclose(logits(engine), logits(policy.model), atol=1e-5)
+        policy.model.train()
+    # the engine's start-up self-check reads the same weights the same way
+    assert torch.allclose(logits(hf_model(str(model_dir), uri)), logits(engine), atol=1e-6)
+    with pytest.raises(ValueError, match="no base model was named"):
+        next(published_weights(uri, ties=False))
+
+
+def test_the_vllm_workers_merge_refuses_an_adapter_that_does_not_fit(tmp_path: Path) -> None:
+    from rollstream.producer.engines.vllm_worker import merged_adapter
+
+    model_dir = save_model(tmp_path / "model", seed=3)
+    layer = "model.layers.0.self_attn.q_proj"
+    a, b = torch.ones(2, 4), torch.ones(6, 2)
+    for adapter, why in (
+        ({layer + LORA_A: a}, "half an adapter for \\['model.layers.0"),
+        ({"model.none" + LORA_A: a, "model.none" + LORA_B: b}, "layers the model lacks \\['model.none"),
+        ({layer + LORA_A: a, layer + LORA_B: b}, "other shapes \\['model.layers.0"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            next(merged_adapter(adapter, str(model_dir), ties=True, where="u"))

@@ -88,10 +88,12 @@ def test_the_messages_walk_the_root_they_are_given() -> None:
 
 
 def test_a_lora_run_needs_engines_that_merge_adapters() -> None:
-    # algorithm.lora_rank > 0: syncs carry the adapter only (consumer/lora.py), which hf engines merge
+    # algorithm.lora_rank > 0: syncs carry the adapter only (consumer/lora.py), which hf and
+    # vllm engines merge
     tree = load_settings(algorithm={"lora_rank": 8}, engines={"kind": "hf"})
     assert tree.algorithm.lora_rank == 8 and tree.algorithm.lora_targets[0] == "q_proj"
-    with pytest.raises(SettingsError, match=r"algorithm\.lora_rank is 8.*engines\.kind 'vllm'"):
-        load_settings(algorithm={"lora_rank": 8}, engines={"kind": "vllm"})
+    assert load_settings(algorithm={"lora_rank": 8}, engines={"kind": "vllm"}).engines.kind == "vllm"
+    with pytest.raises(SettingsError, match=r"algorithm\.lora_rank is 8.*engines\.kind 'sglang'"):
+        load_settings(algorithm={"lora_rank": 8}, engines={"kind": "sglang"})
     with pytest.raises(SettingsError, match=r"algorithm\.lora_rank"):
         load_settings(algorithm={"lora_rank": -1})
