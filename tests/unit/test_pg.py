@@ -138,3 +138,41 @@ def test_a_correction_without_recorded_logprobs_names_the_group(tmp_path: Path) 
     # plain policy gradient needs none
     pg.algorithm = AlgorithmConfig()
     assert np.isfinite(pg(batch))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_logprobs_leave_the_prompts_logits_out_and_agree_with_the_whole_pass(
+    tmp_path: Path, lora: bool
+) -> None:
+    """The output projection runs from the first trained position on (logits_to_keep):
+    the logprobs of every trained token are the whole pass's, and fewer positions'
+    logits are made."""
+    from rollstream.consumer.tensors import token_logprobs
+
+    if lora:
+        require("peft", "lora", load=False)
+    algorithm = AlgorithmConfig(lora_rank=2, lora_targets=["q_proj"]) if lora else None
+    pg = PolicyGradient(
+        str(save_model(tmp_path / "model", seed=0)), str(tmp_path / "out"), algorithm=algorithm
+    )
+    group = Group.for_prompt(
+        Prompt(uid="u", task="math", prompt="q"),
+        samples=[  # prompts of 6 and 3 tokens: the kept span starts at the shorter one's end
+            Sample([4, 5, 6, 4, 5, 6], GOOD, [0.0] * 4, [0] * 4, "stop", {"score": 1.0}),
+            Sample(PROMPT, [*BAD, 9, 9], [0.0] * 6, [0] * 6, "stop", {"score": 0.0}),
+        ],
+    )
+    tokens = to_padded(TrainBatch(1, {"math": Batch("math", [BatchItem(None, group)])}), pad_id=pg.pad_id)  # type: ignore[arg-type]
+    widths: list[int] = []
+    hook = pg.model.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(o.shape[1]))
+    with torch.no_grad():
+        kept = pg.logprobs(tokens)
+        hook.remove()
+        whole = token_logprobs(
+            pg.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                     position_ids=tokens.position_ids).logits, tokens.targets,
+        )  # fmt: skip
+    mask = tokens.loss_mask
+    assert kept.shape == whole.shape == mask.shape
+    assert torch.allclose(kept[mask], whole[mask], atol=1e-6)
+    assert widths == [tokens.input_ids.shape[1] - len(PROMPT) + 1]  # from position p - 1 = 2 on
