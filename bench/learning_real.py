@@ -73,8 +73,14 @@ def through_rollstream(
 ) -> dict[str, Any]:
     recipe = learning.RECIPES[way]
     started = time.monotonic()
+
+    def report(step: learning.StepRecord) -> None:
+        accuracy = "" if step.eval_accuracy is None else f", held-out accuracy {step.eval_accuracy:.3f}"
+        seconds, reward = f"{step.seconds:.0f}", f"{step.reward:.3f}"
+        print(f"  {way} step {step.step}: {seconds} s, reward {reward}{accuracy}", flush=True)
+
     result = learning.run_learning(
-        recipe, redis_url=url, work_dir=tmp, seed=args.seed, steps=args.steps, engines=2,
+        recipe, redis_url=url, work_dir=tmp, seed=args.seed, steps=args.steps, engines=2, on_step=report,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, stop_at_accuracy=target, task=ARITHMETIC,
         save_to=Path(args.save_policies) / f"smollm2-135m-arithmetic-{way}" if args.save_policies else None,
     )  # fmt: skip
@@ -118,6 +124,8 @@ def plain(args: argparse.Namespace, held_out: list[Any], target: float) -> dict[
             )
             policy(TrainBatch.of_groups(step, groups))
             steps = step
+            reward = sum(s.reward.get("score", 0.0) for g in groups for s in g.samples) / (len(groups) * 8)
+            print(f"  plain step {step}: {time.monotonic() - started:.0f} s, reward {reward:.3f}", flush=True)
             if step % args.eval_every == 0 or step == args.steps:
                 policy.model.eval()
                 acc = arithmetic.accuracy(
