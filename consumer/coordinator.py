@@ -251,7 +251,8 @@ class BatchCoordinator:
 
     def submitted_with(self, batch_id: str, prompts: list[Prompt], kind: str = "train") -> bool:
         """Whether the batch was submitted with these prompts (their tasks and uids) and kind."""
-        return self.client.hget(self.keys.batch(batch_id), "prompts") == _signature(kind, prompts).encode()
+        stored = self.client.hget(self.keys.batch(batch_id), "prompts")
+        return bool(stored == _signature(kind, prompts).encode())
 
     def abort_batch(self, batch_id: str, reason: str, keep_partial_results: bool = False) -> dict[str, Any]:
         """Stop a batch: its unclaimed prompts are removed; what finished is returned

@@ -11,6 +11,7 @@ transport (shared/transports.py), then the event that names them as a new model 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rollstream.consumer.lora import adapter_tensors
@@ -75,12 +76,21 @@ class WeightPublisher:
     def publish(self, model: Any, step: int | None = None) -> tuple[int, str]:
         """Send ``model``'s weights and publish them as ``step`` (the run's model_step + 1
         when None); returns (step, the URI engines load them from)."""
+        config = getattr(model, "config", None)
+        files = {"config.json": config.to_json_string()} if config is not None else {}
+        return self.publish_tensors(model_tensors(model), step, files)
+
+    def publish_tensors(
+        self,
+        tensors: Mapping[str, Any],
+        step: int | None = None,
+        config_files: Mapping[str, str] | None = None,
+    ) -> tuple[int, str]:
+        """``publish`` for tensors by name (the engines' names for them)."""
         step = self.control.model_step() + 1 if step is None else step
         if self._sender is None:
-            config = getattr(model, "config", None)
-            files = {"config.json": config.to_json_string()} if config is not None else {}
-            self._sender = sender_for(self.transport, self.out_dir, self.run, files)
-        uri = self._sender.send(step, model_tensors(model))
+            self._sender = sender_for(self.transport, self.out_dir, self.run, config_files or {})
+        uri = self._sender.send(step, tensors)
         publish_weights(self.control, step, uri)
         return step, uri
 

@@ -104,7 +104,9 @@ def test_another_consumer_gets_the_handed_groups_once_they_are_idle(
 
 
 def test_a_handed_group_not_back_in_time_is_named(redis_server: EmbeddedRedis, settings: Settings) -> None:
-    slow = settings.model_copy(update={"buffer": settings.buffer.model_copy(update={"claim_idle_ms": 600_000})})
+    slow = settings.model_copy(
+        update={"buffer": settings.buffer.model_copy(update={"claim_idle_ms": 600_000})}
+    )
     first = coordinator(redis_server, slow, consumer="rollout-a")
     first.submit_batch("b4", prompts("math", 2))
     produce(first, slow, 2)
