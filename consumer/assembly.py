@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import redis
 
@@ -30,6 +29,9 @@ from rollstream.consumer.archive import ARCHIVER_CONSUMER, ArchivePlan, Archiver
 from rollstream.consumer.batches import BatchReader, ReaderPlan
 from rollstream.consumer.coordinator import LEASE_S, BatchCoordinator
 from rollstream.consumer.evaluation import Evaluator
+from rollstream.consumer.integrations.loop import BatchStream
+from rollstream.consumer.integrations.trl import RolloutPlan, TrlRollout
+from rollstream.consumer.integrations.trl_async import AsyncPlan, RolloutWorker, WeightTransfer
 from rollstream.consumer.pg import PolicyGradient
 from rollstream.consumer.trainer import ReferenceTrainer
 from rollstream.consumer.weights import WeightPublisher
@@ -40,11 +42,6 @@ from rollstream.shared.records import Prompt
 from rollstream.shared.runconfig import open_buffer, task_quota
 from rollstream.shared.settings import Settings, load_settings
 from rollstream.shared.transports import default_dir
-
-if TYPE_CHECKING:  # the adapters import their trainers' packages: only when used
-    from rollstream.consumer.integrations.loop import BatchStream
-    from rollstream.consumer.integrations.trl import TrlRollout
-    from rollstream.consumer.integrations.trl_async import RolloutWorker, WeightTransfer
 
 __all__ = [
     "Settings",
@@ -213,8 +210,6 @@ def create_trl_rollout(
     its ``callback()``: prompts to the first task of the run unless ``catalog`` (the
     rollstream prompts, by text) names theirs and the meta their judge needs. ``name`` is
     the adapter's stable name: a restarted trainer finds what it left under it."""
-    from rollstream.consumer.integrations.trl import RolloutPlan, TrlRollout
-
     settings, client = _settings_and_client(settings, client)
     coordinator = create_coordinator(settings, client=client, consumer=name)
     rollout = settings.rollout
@@ -244,8 +239,6 @@ def create_async_grpo(
     (consumer/integrations/trl_async.py): the worker reads the groups stream under
     ``consumer`` and hands TRL no sample staler than ``max_staleness`` (TRL's
     AsyncGRPOConfig.max_staleness; rollout.max_staleness when None)."""
-    from rollstream.consumer.integrations.trl_async import AsyncPlan, RolloutWorker, WeightTransfer
-
     settings, client = _settings_and_client(settings, client)
     staleness = settings.rollout.max_staleness if max_staleness is None else max_staleness
     reader = create_reader(settings, client=client, consumer=consumer)
@@ -264,8 +257,6 @@ def create_batch_stream(
     """rollstream for any PyTorch loop (consumer/integrations/loop.py): the run's train
     batches, one a step (``steps`` of them, or until ``close``), each committed by the
     loop, and ``publish_weights(model)``."""
-    from rollstream.consumer.integrations.loop import BatchStream
-
     settings, client = _settings_and_client(settings, client)
     reader = create_reader(settings, client=client, consumer=consumer)
     return BatchStream(reader, weight_publisher(settings, client, weights_dir), steps=steps)
