@@ -39,6 +39,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,7 @@ class RolloutWorker:
         self.syncs = 0
         self.committed = 0  # groups committed
         self.expired = 0  # groups expired as too stale for the trainer when it took them
+        self.handed: deque[str] = deque(maxlen=4096)  # the groups' stream ids, in the order handed
         self._held: dict[int, _Held] = {}
         self._numbers = iter(range(1, 2**62))
         self._lock = threading.Lock()
@@ -196,6 +198,7 @@ class RolloutWorker:
         samples = rollout_samples(item.group, number, item.group.model_step - self.offset)
         with self._lock:
             self._held[number] = _Held(item, len(samples))
+        self.handed.append(item.entry.id)
         for sample in samples:
             while not self._stop.is_set():
                 self._beat = time.time()
