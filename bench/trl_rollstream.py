@@ -20,7 +20,7 @@ overlap, not what it gains on a cluster.
 
 Writes trl_rollstream.json.
 
-    .venv/bin/python bench/trl_rollstream.py             # 150 steps each, target 0.4
+    .venv/bin/python bench/trl_rollstream.py             # 150 steps each, target 0.3
     .venv/bin/python bench/trl_rollstream.py --quick     # smoke: 4 steps each
     .venv/bin/python bench/trl_rollstream.py --steps 400 --target 0.9 --engines 2
 """
@@ -142,7 +142,7 @@ def summary_table(report: dict[str, Any]) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150, help="train steps of each way")
-    parser.add_argument("--target", type=float, default=0.4, help="the mean reward the ways are timed to")
+    parser.add_argument("--target", type=float, default=0.3, help="the mean reward the ways are timed to")
     parser.add_argument("--engines", type=int, default=1, help="hf engines (Ray actors, one CPU each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke size: 4 steps each")
