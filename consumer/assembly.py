@@ -219,6 +219,7 @@ def create_trl_rollout(
         group_size={t.name: t.n for t in settings.tasks},
         batch_size=rollout.batch_size,
         stale_threshold=rollout.stale_threshold,
+        reroll=rollout.tail_batch_trigger_size == 0,
         timeout_s=timeout_s,
     )
     publisher = weight_publisher(settings, client, weights_dir)

@@ -52,7 +52,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from enum import StrEnum
 from typing import Any
@@ -228,6 +228,18 @@ class BatchCoordinator:
                     f"back after {timeout} s (pending elsewhere until claim_idle_ms), e.g. {missing[0]}"
                 )
             time.sleep(POLL_S)
+
+    def expire_taken(self, batch_id: str, group_ids: Collection[str], train_step: int = -1) -> int:
+        """Send groups of a batch taken with ``take_train_batch`` back as too stale to train
+        on: each to the expired pool as its prompt (the producers make it again, for this
+        batch, under the same group id), acked and deleted here. The next take waits for
+        the new groups. Returns how many went."""
+        held = self._held.get(batch_id, [])
+        stale = [item for item in held if item.group.group_id in group_ids]
+        for item in stale:
+            self.buffer.expire(item, train_step=train_step)
+        self._held[batch_id] = [item for item in held if item not in stale]
+        return len(stale)
 
     def commit_train_batch(self, batch_id: str, train_step: int = -1) -> dict[str, Any]:
         """Ack and delete the groups of a batch taken with ``take_train_batch``, once the

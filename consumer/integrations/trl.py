@@ -104,7 +104,8 @@ class RolloutPlan:
     task: str  # where prompts go that the catalog does not name
     group_size: dict[str, int]  # tasks[].n of each task: TRL's num_generations must equal it
     batch_size: int  # rollout.batch_size: at least the prompts of one TRL generation
-    stale_threshold: int  # rollout.stale_threshold, reported with each group's staleness
+    stale_threshold: int  # rollout.stale_threshold: a group this stale is made again, not trained
+    reroll: bool = True  # rollout.tail_batch_trigger_size 0: expired prompts are made again at once
     timeout_s: float | None = None  # the wait for a batch's groups; None: as long as it takes
     sync_timeout_s: float = 120.0  # the wait for producers to follow a weight sync (a warning after)
 
@@ -160,13 +161,31 @@ class TrlRollout:
         wanted = self.prompts_of(prompts, n)
         step = self.control.model_step() + 1
         batch_id = self._batch_for(wanted)
-        groups = self.coordinator.take_train_batch(batch_id, self.plan.timeout_s)
+        groups = self._fresh(batch_id, step)
         args = trainer.args
         generate_every = int(args.steps_per_generation) * int(trainer.num_iterations)
         covers = max(1, math.ceil(generate_every / int(args.gradient_accumulation_steps)))
         self.in_flight = _InFlight(batch_id, step, int(trainer.state.global_step) + covers)
         self.last_groups = groups
         return completions(groups, batch_id, wanted, n, step)
+
+    def _fresh(self, batch_id: str, step: int) -> list[Group]:
+        """The batch's groups for train step ``step``, each within the staleness bound: one
+        made on weights ``stale_threshold`` syncs old or more (by producers that had not
+        followed the syncs yet, say) goes back to be made again, and the batch waits for it."""
+        while True:
+            groups = self.coordinator.take_train_batch(batch_id, self.plan.timeout_s)
+            stale = {g.group_id for g in groups if step - g.model_step - 1 >= self.plan.stale_threshold}
+            if not stale:
+                return groups
+            if not self.plan.reroll:
+                raise IntegrationError(
+                    f"batch {batch_id}: {len(stale)} groups are {self.plan.stale_threshold} or more weight "
+                    "syncs stale, and rollout.tail_batch_trigger_size does not make expired prompts again "
+                    "at once: set it to 0"
+                )
+            log.warning("rollstream: batch %s: %d groups too stale, made again", batch_id, len(stale))
+            self.coordinator.expire_taken(batch_id, stale, step)
 
     def prompts_of(self, prompts: list[Any], n: int) -> list[Prompt]:
         """TRL's entries (each prompt ``n`` times in a row) as one rollstream prompt per block."""

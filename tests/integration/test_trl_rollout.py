@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from rollstream.cli.status import run_status
 from rollstream.consumer.assembly import create_trl_rollout
 from rollstream.consumer.integrations.trl import TrlRollout
 from rollstream.shared.embedded import EmbeddedRedis
@@ -47,10 +48,13 @@ def settings(redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> Sett
 
 
 @pytest.fixture
-def producing(settings: Settings) -> Iterator[None]:
-    """Completes every prompt fed, as a producer would, until the test ends."""
+def producing(settings: Settings) -> Iterator[set[str]]:
+    """Completes every prompt fed, as a producer would, until the test ends: on the weights
+    of the run's model step, but on those of step 0 the first time for a prompt whose text
+    the test adds to the set it yields (a producer that had not followed the syncs)."""
     stop = threading.Event()
     errors: list[BaseException] = []
+    behind: set[str] = set()
 
     def serve() -> None:
         try:
@@ -58,16 +62,18 @@ def producing(settings: Settings) -> Iterator[None]:
             producer = open_buffer(client, settings, "hand")
             control = RunControl(client, producer.keys)
             while not stop.is_set():
-                for claim in producer.claim(TASK, 8):  # on the weights of the run's model step
-                    group = group_for(claim.prompt, n=N, tokens=3, step=control.model_step())
-                    producer.complete(claim, group)
+                for claim in producer.claim(TASK, 8, include_expired=True):
+                    late = claim.prompt.prompt in behind
+                    behind.discard(claim.prompt.prompt)
+                    step = 0 if late else control.model_step()
+                    producer.complete(claim, group_for(claim.prompt, n=N, tokens=3, step=step))
                 stop.wait(0.02)
         except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=serve, name="hand-producer")
     thread.start()
-    yield
+    yield behind
     stop.set()
     thread.join(timeout=30)
     assert not errors, errors
@@ -104,7 +110,7 @@ OTHERS = ["sun moon"] * N + ["a quick"] * N
 
 
 def test_a_generation_is_committed_after_its_step(
-    settings: Settings, producing: None, tmp_path: Path
+    settings: Settings, producing: set[str], tmp_path: Path
 ) -> None:
     model = torch.nn.Linear(3, 2)
     control = RunControl(redis.Redis.from_url(settings.redis.url), Keys(settings.run))
@@ -127,7 +133,7 @@ def test_a_generation_is_committed_after_its_step(
 
 
 def test_a_restart_on_the_same_prompts_trains_the_batch_it_left(
-    settings: Settings, producing: None, tmp_path: Path
+    settings: Settings, producing: set[str], tmp_path: Path
 ) -> None:
     model = torch.nn.Linear(3, 2)
     control = RunControl(redis.Redis.from_url(settings.redis.url), Keys(settings.run))
@@ -149,7 +155,7 @@ def test_a_restart_on_the_same_prompts_trains_the_batch_it_left(
 
 
 def test_a_restart_on_other_prompts_drops_the_batch_it_left(
-    settings: Settings, producing: None, tmp_path: Path
+    settings: Settings, producing: set[str], tmp_path: Path
 ) -> None:
     model = torch.nn.Linear(3, 2)
     control = RunControl(redis.Redis.from_url(settings.redis.url), Keys(settings.run))
@@ -170,3 +176,22 @@ def test_a_restart_on_other_prompts_drops_the_batch_it_left(
     assert counts[f"{TASK}:consumed"] == 4  # the first step 1, and its redo on fresh groups
     assert counts[f"{TASK}:aborted_dropped"] == 2  # the batch of step 2, left by the dead one
     assert pending(settings) == 0 and control.model_step() == 4
+
+
+def test_a_group_past_the_staleness_bound_is_made_again_before_trl_gets_it(
+    settings: Settings, producing: set[str], tmp_path: Path
+) -> None:
+    model = torch.nn.Linear(3, 2)
+    rs = rollout(settings, tmp_path)
+    rs.begin(model, 0)
+    rs(ENTRIES, trainer(0))
+    rs.step_end(model, 1)  # model step 2: a group of step 0 is 2 syncs stale for step 3
+    producing.add("sun moon")  # made the first time by a producer still on step 0
+
+    out = rs(OTHERS, trainer(1))
+
+    assert out["rollstream_staleness"] == [0] * 4  # made again on the current weights
+    rs.step_end(model, 2)
+    counts = progress(settings)
+    assert counts[f"{TASK}:expired"] == 1 and counts[f"{TASK}:consumed"] == 4
+    assert run_status(redis.Redis.from_url(settings.redis.url), Keys(settings.run)).accounts[TASK].lost == 0
