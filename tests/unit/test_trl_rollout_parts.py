@@ -151,3 +151,26 @@ def test_prompts_that_are_not_blocks_or_too_many_are_refused(rollout: TrlRollout
         rollout.prompts_of(["a", "a", "b"], 3)
     with pytest.raises(IntegrationError, match=r"3 prompts and rollout\.batch_size 2"):
         rollout.prompts_of(["a"] * 3 + ["b"] * 3 + ["c"] * 3, 3)
+
+
+def _trainer(training: bool = True, processes: int = 1) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model=SimpleNamespace(training=training),
+        accelerator=SimpleNamespace(num_processes=processes),
+        num_generations=3,
+    )
+
+
+def test_what_the_rollout_function_cannot_serve_is_refused_before_anything_is_fed(
+    rollout: TrlRollout,
+) -> None:
+    with pytest.raises(IntegrationError, match="eval completions"):
+        rollout(["a b"] * 3, _trainer(training=False))
+    with pytest.raises(IntegrationError, match="one training process"):
+        rollout(["a b"] * 3, _trainer(processes=2))
+    rollout.in_flight = type("InFlight", (), {"batch_id": "trl-7"})()  # type: ignore[assignment]
+    with pytest.raises(IntegrationError, match="batch trl-7 is not committed: give GRPOTrainer the callback"):
+        rollout(["a b"] * 3, _trainer())
+    assert rollout.client.keys("*:batch:*") == []  # nothing submitted
