@@ -147,6 +147,7 @@ def test_a_killed_trl_process_restarted_from_its_checkpoint_loses_no_group(
         b for b in handed_before if client.hget(Keys(settings.run).batch(b), "status") == b"finalized"
     }
     assert left not in handed_before
+    saved = sorted(int(p.name.split("-")[1]) for p in (run_dir / "out").glob("checkpoint-*"))
 
     # and started again from its last checkpoint, the run resumed
     control.publish(RESUME)
@@ -157,8 +158,9 @@ def test_a_killed_trl_process_restarted_from_its_checkpoint_loses_no_group(
     lines = handed(run_dir)
     after = [line for line in lines if line["pid"] != first.pid]
     assert after and not {line["batch"] for line in after} & done_before
-    # the batch left in flight was the restart's first, made once the run went on
-    assert after[0]["batch"] == left and after[0]["global_step"] == 2
+    # the batch left in flight was the restart's first, made once the run went on (the
+    # pause lands after step 2; a producer that saw it late leaves a later batch unmade)
+    assert after[0]["batch"] == left and after[0]["global_step"] == saved[-1] >= 2
     # TRL trained its steps to the end, and the run committed a batch for each step it trained
     checkpoints = sorted(int(p.name.split("-")[1]) for p in (run_dir / "out").glob("checkpoint-*"))
     assert checkpoints[-1] == steps and control.train_step() > committed_before
