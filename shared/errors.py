@@ -15,6 +15,8 @@ RollstreamError
 ├── RunLost                the run's data is gone from Redis (emptied, restarted empty, another run)
 ├── WaitTimeout            what a process waited for did not come in time
 ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
+├── IntegrationError       an outside trainer's adapter cannot go on with what it was given
+│   └── UnsupportedVersion  the outside trainer's installed version is not one the adapter was tested with
 └── ReplayBufferError      a replay-buffer operation that cannot proceed
     ├── BatchTimeout       not enough groups arrived in time
     └── RedisOutOfMemory   Redis refused a write: used memory above its maxmemory setting
@@ -117,6 +119,16 @@ class CorruptValueError(RollstreamError):
 
 class FeederError(RollstreamError):
     """The feeder cursor in Redis is not where this feeder expects it."""
+
+
+class IntegrationError(RollstreamError):
+    """An outside trainer's adapter (consumer/integrations/) cannot go on: a batch that
+    does not fit the run's settings, a call its protocol does not allow."""
+
+
+class UnsupportedVersion(IntegrationError):
+    """The outside trainer installed is not a version the adapter was tested with; the
+    message names both."""
 
 
 class ReplayBufferError(RollstreamError):

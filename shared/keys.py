@@ -14,6 +14,8 @@ and one Lua script may touch several of them.
     rs:{run}:eval:{batch}     stream  eval results of one eval batch
     rs:{run}:batch:{batch}    hash    a coordinator batch: status, kind, counts, result
     rs:{run}:batch:{batch}:fed:{task}  set  uids fed by the batch (idempotence); gone when it ends
+    rs:{run}:adapter:{name}   hash    an outside trainer's adapter (consumer/integrations): its
+                                      batch in flight, the step its weights were last published for
     rs:{run}:events           stream  weight-sync and control events
     rs:{run}:dead             stream  dead letters
     rs:{run}:filtered         stream  one small record per group the filter dropped (its uid)
@@ -216,6 +218,12 @@ class Keys:
 
     def eval(self, batch: str) -> str:
         return f"{self.base}:eval:{validate_name(batch, 'batch id')}"
+
+    def adapter(self, name: str) -> str:
+        """The record of an outside trainer's adapter named ``name`` (consumer/integrations):
+        what its restart needs to find again (the batch in flight, the trainer step of the
+        weights it last published)."""
+        return f"{self.base}:adapter:{validate_name(name, 'adapter name')}"
 
     @property
     def events(self) -> str:

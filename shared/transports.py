@@ -164,6 +164,20 @@ def unique_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def tensor_digests(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """sha256 of each tensor's bytes (on the CPU, contiguous), by name: whether two holders
+    (a trainer and an engine) have the same weights, tensor by tensor, without moving them."""
+    import hashlib
+
+    import torch
+
+    out = {}
+    for name, t in tensors.items():
+        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        out[name] = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    return out
+
+
 # --- file --------------------------------------------------------------------------
 
 

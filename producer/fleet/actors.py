@@ -24,6 +24,7 @@ from rollstream.producer.engines.base import SamplingParams, dumps, loads
 from rollstream.producer.fleet.host import EngineHost
 from rollstream.shared.engine_settings import EngineSettings
 from rollstream.shared.errors import RollstreamError
+from rollstream.shared.transports import tensor_digests
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,15 @@ class EngineActor:
 
     async def health(self) -> bytes:
         return dumps((await self.host.health()).to_dict())
+
+    def weight_digests(self) -> bytes:
+        """The engine's model step and the sha256 of each weight it holds, by name
+        (shared/transports.py ``tensor_digests``): which weights it generates with, checked
+        tensor by tensor against a trainer's. Engines without a torch model in this
+        process (vllm, http) give none."""
+        model: Any = getattr(self.host.engine, "model", None)
+        state = model.state_dict() if hasattr(model, "state_dict") else {}
+        return dumps({"model_step": self.host.model_step, "tensors": tensor_digests(state) if state else {}})
 
     def where(self) -> bytes:
         """The node this engine runs on: Ray's node id, its address, the labels it was

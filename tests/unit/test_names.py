@@ -28,7 +28,7 @@ GROUP_NAMES = (PRODUCERS, TRAINER)
 COUNTERS = tuple(c.value for c in Count)
 # Every part of a key after the run's hash tag (shared/keys.py's table)
 KEY_PARTS = (*STREAM_KINDS, "eval", "batch", "events", "dead", "state", "progress", "metrics", "fed",
-             "fence", "alive", "rq")  # fmt: skip
+             "fence", "alive", "rq", "adapter")  # fmt: skip
 
 _PARTS = "|".join(KEY_PARTS)
 _COUNTERS = "|".join(COUNTERS)

@@ -24,10 +24,12 @@ API_SECTION = README.partition("\n## Python API\n")[2].partition("\n## ")[0]
 
 PUBLIC: dict[str, list[str]] = {
     "rollstream.consumer": [
-        "Batch", "BatchCoordinator", "BatchReader", "BatchTimeout", "Group", "Loggers", "Prompt",
-        "RunControl", "Sample", "Settings", "StepLogger", "SyncTimeout", "TrainBatch", "connect",
-        "control_for", "create_coordinator", "create_reader", "load_settings", "open_loggers",
-        "publish_weights", "step_figures", "wait_for_producers",
+        "Batch", "BatchCoordinator", "BatchReader", "BatchStream", "BatchTimeout", "Group", "Loggers",
+        "Prompt", "RolloutWorker", "RunControl", "Sample", "Settings", "StepLogger", "SyncTimeout",
+        "TrainBatch", "TrlRollout", "WeightPublisher", "WeightTransfer", "connect", "control_for",
+        "create_async_grpo", "create_batch_stream", "create_coordinator", "create_reader",
+        "create_trl_rollout", "load_settings", "open_loggers", "publish_weights", "rollstream_reward",
+        "step_figures", "wait_for_producers",
     ],
     "rollstream.producer.engines": [
         "BUILTIN_ENGINES", "FINISH_ABORT", "FINISH_ERROR", "FINISH_LENGTH", "FINISH_STOP", "Engine",
@@ -58,6 +60,10 @@ NOT_CHECKED = {
     "Group.__init__": "made by producers and the codec",
     "Sample.__init__": "made by producers and the codec",
     "Sample.of_arrays": "the codec's",
+    "TrlRollout.__init__": "made from its parts by create_trl_rollout (consumer/assembly.py)",
+    "RolloutWorker.__init__": "made from its parts by create_async_grpo (consumer/assembly.py)",
+    "BatchStream.__init__": "made from its parts by create_batch_stream (consumer/assembly.py)",
+    "WeightPublisher.__init__": "made from the weights settings by the create_* doors (consumer/assembly.py)",
 }
 
 
