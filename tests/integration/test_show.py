@@ -148,7 +148,7 @@ def test_groups_show_ids_token_counts_versions_rewards_and_the_undecodable_entry
     u0, rest = out.split(run.ids["u1"] + "  ")
     u1, bad = rest.split(run.ids["bad group"] + "  ")
     assert f"{run.ids['u0']}  task default  group_id default:u0  model_step 3  status completed  n 2" in u0
-    assert "prompt_tokens 6  response_tokens 10  reward_mean 0.5" in u0
+    assert "prompt_tokens 3  response_tokens 10  reward_mean 0.5" in u0
     # the writer's summary line, as stored (its content: tests/unit/test_summary.py)
     assert '  summary default step=3 n=2 reward=0.5+-0.5 len=5/5/5 completed uid=u0 "What is 0 + 1?"\n' in u0
     assert 'uid u0  prompt "What is 0 + 1?"' in u0
@@ -180,7 +180,7 @@ def test_groups_as_json_carry_the_same_numbers(run: Run) -> None:
         "default",
     )
     assert (u0["model_step"], u0["status"], u0["n"], u0["reward_mean"]) == (3, "completed", 2, 0.5)
-    assert (u0["prompt_tokens"], u0["response_tokens"]) == (6, 10)
+    assert (u0["prompt_tokens"], u0["response_tokens"]) == (3, 10)  # the field: shared, once
     assert [s["tokens"] for s in u0["samples"]] == [5, 5]
     assert [s["versions"] for s in u0["samples"]] == [[[3, 5]], [[3, 5]]]
     assert [s["reward"] for s in u0["samples"]] == [{"score": 0.0}, {"score": 1.0}]
