@@ -27,11 +27,10 @@ from rollstream.shared.keys import Keys
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
-from tests.helpers import group_for, prompts
+from tests.helpers import documentation, group_for, prompts
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 LONG_TEXT = "The answer is 2. " * 10  # 170 characters: the output shows the first 80
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6 * 7?"}]
 
@@ -212,11 +211,11 @@ def test_a_group_entry_without_a_summary_shows_the_rest(run: Run) -> None:
 
 
 def test_the_readme_redis_cli_line_prints_the_newest_summaries(run: Run, redis_server: EmbeddedRedis) -> None:
-    """The README's cookbook line, run as written (shell, redis-cli, awk) on this run."""
+    """The documentation's cookbook line, run as written (shell, redis-cli, awk) on this run."""
     cli = shutil.which("redis-cli") or str(Path(redis_server.binary).with_name("redis-cli"))
     if not Path(cli).is_file():
         pytest.skip("no redis-cli")
-    (line,) = [line for line in README.read_text().splitlines() if '"summary"' in line]
+    (line,) = [line for line in documentation().splitlines() if '"summary"' in line]
     command = line.replace("redis-cli", f"{cli} -u {run.url}", 1).replace("{exp1}", f"{{{run.name}}}")
     out = subprocess.run(
         ["bash", "-c", command], capture_output=True, text=True, timeout=30, check=True
