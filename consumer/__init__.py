@@ -21,7 +21,7 @@ Its per-step learning figures go to TensorBoard or W&B as the reference trainer'
 ``open_loggers("tensorboard", logdir).log(step, step_figures(...))``.
 
 A trainer people already use reads from rollstream through its own extension point
-(consumer/integrations/, docs/trainers.md): ``create_trl_rollout`` for TRL's GRPOTrainer
+(consumer/integrations/, docs/integrations.md): ``create_trl_rollout`` for TRL's GRPOTrainer
 (with ``rollstream_reward``), ``create_async_grpo`` for TRL's AsyncGRPOTrainer,
 ``create_batch_stream`` for any PyTorch loop.
 """

@@ -10,7 +10,7 @@ The doors a trainer uses, as arq's ``create_worker`` builds a worker from its se
     reader = create_reader(settings, client=client)  # a tree and a client of the caller's
     control = control_for(connect(settings), settings)
 
-the doors of the outside trainers' adapters (consumer/integrations/, docs/trainers.md):
+the doors of the outside trainers' adapters (consumer/integrations/, docs/integrations.md):
 ``create_trl_rollout`` (TRL's GRPOTrainer), ``create_async_grpo`` (TRL's AsyncGRPOTrainer),
 ``create_batch_stream`` (any PyTorch loop);
 and those of the reference processes (`rollstream train`, `rollstream archive`, the demo,

@@ -220,6 +220,10 @@ class BatchReader:
                 for item in self.buffer.read_batch(task, count, block_ms=block).items:
                     got_any = True
                     take(task, item)
+                if not got_any:
+                    # waiting: claims of producers that died with no producer left to
+                    # reclaim them go back to their pools (at most twice per claim_idle_ms)
+                    self.buffer.hand_back_stranded(task)
             if deadline is not None and time.monotonic() >= deadline:
                 wanted = self.plan.batch_size if min_wait_num is None else min_wait_num
                 if len(result) >= wanted and not self._forgotten(result, train_step):

@@ -1,5 +1,5 @@
 """Any PyTorch loop on rollstream: each step's groups from the producers, a GRPO step on
-them, the commit, then the weights back to the engines (docs/trainers.md).
+them, the commit, then the weights back to the engines (docs/integrations.md).
 
     ROLLSTREAM_RUN=exp1 python examples/torch_loop.py --model DIR --steps 100
 """

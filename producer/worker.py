@@ -143,6 +143,10 @@ class Producer:
         # The newest event's id before the state: a weight sync or pause published while
         # this producer starts is then either in the state it reads or in the events it follows.
         after = self.control.last_event_id()
+        # a progress counter that a settle would fail on is the run's fault, not the prompts':
+        # stop now, naming the repair, before claiming (and charging a delivery to) any of them
+        for name in self.batch:
+            self.buffer.check_settle_counters(name)
         self.model_step = self.control.model_step()  # a late starter joins at the current step
         self.paused = self.control.paused()
         plan = self.plan

@@ -41,7 +41,7 @@ from rollstream.shared.buffer_types import (
     eval_batch,
     refused_format,
 )
-from rollstream.shared.errors import DecodeError, FormatError, ReplayBufferError
+from rollstream.shared.errors import CorruptValueError, DecodeError, FormatError, ReplayBufferError
 from rollstream.shared.keys import (
     ABORTED,
     EVALS,
@@ -56,8 +56,9 @@ from rollstream.shared.keys import (
     progress_field,
 )
 from rollstream.shared.records import Group, Sample, Status
+from rollstream.shared.scripts import PRIOR_ATTEMPTS
 from rollstream.shared.settings import ArchiveSettings, BufferSettings
-from rollstream.shared.streams import Entry, Settle, pairs, stored_int, text
+from rollstream.shared.streams import Entry, Settle, counter_expected, pairs, stored_float, stored_int, text
 
 __all__ = [
     "RECOVERED",
@@ -66,6 +67,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 RECOVERED = "done"
+# The counters a producer's settles touch (complete, eval result, hand back, filter, dead
+# letter), checked before it claims anything
+SETTLE_COUNTERS = (
+    Count.COMPLETED, Count.PRODUCED_SAMPLES, Count.PRODUCED_TOKENS, Count.REWARD_COUNT, Count.REWARD_SUM,
+    Count.EVAL_COMPLETED, Count.ABORTED, Count.FILTERED, Count.DEAD,
+)  # fmt: skip
 
 
 class ReplayBuffer(Feeding, PendingEntries):
@@ -123,17 +130,17 @@ class ReplayBuffer(Feeding, PendingEntries):
             if len(claims) < count:
                 claims += self._claims(self.reclaim(kind, task, count - len(claims)))
         if len(claims) < count:  # eval prompts go ahead of training work, outside the bound
-            claims += self._claims(self.streams.read([EVALS], task, count - len(claims)))
+            claims += self._claims(_prior(self.streams.read([EVALS], task, count - len(claims))))
         if len(claims) < count:
-            claims += self._claims(self._claim_new(task, count - len(claims), kinds, limit))
+            claims += self._claims(_prior(self._claim_new(task, count - len(claims), kinds, limit)))
         if not claims and block_ms > 0:
             if limit is None:
                 # Wake on whichever pool gets work first, take it, then fill up in pool order.
-                claims = self._claims(self.streams.read(kinds, task, 1, block_ms=block_ms))
+                claims = self._claims(_prior(self.streams.read(kinds, task, 1, block_ms=block_ms)))
             elif self.admitted(task) < limit:
                 # Wait for new work without taking it, then claim through the bound check.
                 self.client.xread({self.keys.stream(k, task): "$" for k in kinds}, count=1, block=block_ms)
-                claims = self._claims(self._claim_new(task, 1, kinds, limit))
+                claims = self._claims(_prior(self._claim_new(task, 1, kinds, limit)))
             if claims:
                 claims += self.claim(task, count - 1, include_expired=include_expired, limit=limit)
         return claims
@@ -154,6 +161,19 @@ class ReplayBuffer(Feeding, PendingEntries):
             kind = self.keys.parse_stream(name)[0]  # type: ignore[index]
             out.append(Entry(name, kind, task, text(entry_id), pairs(flat)))
         return out
+
+    def check_settle_counters(self, task: str) -> None:
+        """Raise CorruptValueError, naming the repair, when a progress counter that a
+        producer's settle of the task would touch is not a number: checked before claiming
+        (at a producer's start), so that no valid prompt is claimed, generated and charged
+        a delivery for a settle that cannot land (the run's fault, not the prompt's)."""
+        names = [progress_field(task, c) for c in SETTLE_COUNTERS]
+        key = self.keys.progress
+        for name, value in zip(names, self.client.hmget(key, names), strict=True):
+            if name.endswith(f":{Count.REWARD_SUM.value}"):
+                stored_float(value, key, name, counter_expected(key, name))
+            else:
+                stored_int(value, key, name, counter_expected(key, name))
 
     @staticmethod
     def _accepted_fields(task: str) -> list[str]:
@@ -237,6 +257,12 @@ class ReplayBuffer(Feeding, PendingEntries):
                 landed = self.streams.settle_many([settles[i] for i in positions])
                 for i, result in zip(positions, landed, strict=True):
                     results[i] = result
+        except CorruptValueError:
+            # a counter the settle touches is not a number: the run's fault, not the claims',
+            # so none is charged the delivery it used (the restart after the repair reclaims
+            # them at the count they had)
+            self.uncharge(claim.entry for claim, _ in done)
+            raise
         finally:  # settled, fenced or failed: this process holds none of them any more
             self.release(claim.entry for claim, _ in done)
         return results
@@ -420,3 +446,13 @@ class ReplayBuffer(Feeding, PendingEntries):
                 ", ".join(e.id for e in entries[:8]) + (" ..." if len(entries) > 8 else ""),
             )  # fmt: skip
         return entries
+
+
+def _prior(entries: list[Entry]) -> list[Entry]:
+    """Fresh reads of pool entries, their delivery counted with the deliveries an entry
+    had before it was handed back (its ``attempts`` field, scripts.HAND_BACK)."""
+    for entry in entries:
+        prior = entry.fields.get(PRIOR_ATTEMPTS.encode())
+        if prior is not None and prior.isdigit():
+            entry.deliveries += int(prior)
+    return entries

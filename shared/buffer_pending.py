@@ -5,6 +5,7 @@ entry goes that no reader can use. The base of ReplayBuffer (shared/buffer.py)."
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -12,11 +13,25 @@ from typing import Any
 
 import redis
 
-from rollstream.shared.errors import ReplayBufferError
-from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, Count, Keys, progress_field
+from rollstream.shared.errors import CorruptValueError, ReplayBufferError
+from rollstream.shared.keys import (
+    EVALS,
+    GROUP_OF_KIND,
+    GROUPS,
+    POOLS,
+    PRODUCERS,
+    Count,
+    Keys,
+    Role,
+    progress_field,
+)
 from rollstream.shared.scripts import DEAD_HEADER, Scripts
+from rollstream.shared.scripts_stranded import HAND_BACK, UNCHARGE
 from rollstream.shared.settings import BufferSettings
 from rollstream.shared.streams import ConsumerStreams, Entry, pairs, text
+
+_log = logging.getLogger(__name__)
+HAND_BACK_PAGE = 256  # stranded claims looked at per pool and call: the rest at the next
 
 
 class PendingEntries:
@@ -28,6 +43,8 @@ class PendingEntries:
         self.buffer_settings = settings
         self.consumer = consumer
         self.scripts = Scripts(client)
+        self._hand_back = client.register_script(HAND_BACK)
+        self._uncharge = client.register_script(UNCHARGE)
         self.streams = ConsumerStreams(client, keys, consumer)
         self.streams.caps = {keys.dead: settings.dead_maxlen, keys.filtered: settings.filtered_maxlen}
         self._last_reclaim: dict[str, float] = {}
@@ -53,6 +70,9 @@ class PendingEntries:
     ) -> str | None:
         try:
             return self.streams.settle(entry, dest, fields, progress_field(entry.task, counter), more, log)
+        except CorruptValueError:
+            self.uncharge([entry])  # the run's fault, not the entry's: no delivery charged
+            raise
         finally:  # settled, not ours any more, or failed: then reclaim takes it back
             self.release([entry])
 
@@ -120,6 +140,69 @@ class PendingEntries:
             if start == "0-0":
                 break
         return out
+
+    def hand_back_stranded(self, task: str, *, force: bool = False) -> tuple[int, int]:
+        """Hand back to their pools the claims of producers that are gone: pending under a
+        producer with no liveness key, idle at least claim_idle_ms. Producers are named by
+        pid, so a restarted one never sees its own claims, and while no producer runs
+        nobody reclaims them: they would count as running in the admission bound and stay
+        "in pools" for good. Each is appended again (claimed afresh, its deliveries so far
+        kept in its ``attempts`` field); one that has had max_attempts deliveries already is
+        dead-lettered. The bundled trainer calls this while it waits for groups; any
+        process of the run may. At most twice per claim_idle_ms without ``force``.
+        Returns (handed back, dead-lettered)."""
+        idle_ms = self.buffer_settings.claim_idle_ms
+        now = time.monotonic()
+        mark = f"hand-back:{task}"
+        if not force and now - self._last_reclaim.get(mark, -1e18) < idle_ms / 2000:
+            return 0, 0
+        self._last_reclaim[mark] = now
+        handed = dead = 0
+        for kind in (EVALS, *POOLS):
+            stream = self.keys.stream(kind, task)
+            try:
+                rows = self.client.xpending_range(stream, PRODUCERS, "-", "+", HAND_BACK_PAGE, idle=idle_ms)
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    continue
+                raise
+            owners = sorted({text(row["consumer"]) for row in rows})
+            if not owners:
+                continue
+            pipe = self.client.pipeline(transaction=False)
+            for owner in owners:
+                pipe.exists(self.keys.alive(Role.PRODUCER, owner))
+            gone = {owner for owner, alive in zip(owners, pipe.execute(), strict=True) if not alive}
+            pairs_: list[str] = []
+            for row in rows:
+                if text(row["consumer"]) in gone:
+                    pairs_ += [text(row["consumer"]), text(row["message_id"])]
+            if not pairs_:
+                continue
+            keys = [stream, self.keys.dead, self.keys.progress, self.keys.fence(stream)]
+            args: list[Any] = [
+                PRODUCERS, idle_ms, self.buffer_settings.max_attempts, progress_field(task, Count.DEAD),
+                self.buffer_settings.dead_maxlen, *pairs_,
+            ]  # fmt: skip
+            back, lost = self._hand_back(keys=keys, args=args)
+            handed, dead = handed + int(back), dead + int(lost)
+        if handed or dead:
+            _log.warning(
+                "handed back %d claims of task %s held by producers that are gone (%d dead-lettered "
+                "after max_attempts deliveries)", handed, task, dead,
+            )  # fmt: skip
+        return handed, dead
+
+    def uncharge(self, entries: Iterable[Entry]) -> int:
+        """Give back the delivery of claims whose settle Redis refused for the run's fault
+        (a corrupt progress counter): the restart after the repair does not charge them."""
+        by_stream: dict[tuple[str, str], list[str]] = {}
+        for entry in entries:
+            by_stream.setdefault((entry.stream, entry.kind), []).append(entry.id)
+        done = 0
+        for (stream, kind), ids in by_stream.items():
+            done += int(self._uncharge(keys=[stream], args=[GROUP_OF_KIND[kind], self.consumer, *ids]))
+        return done
 
     def touch(self, entries: Iterable[Entry]) -> list[str]:
         """Heartbeat of work in progress: reset the idle time of entries this consumer

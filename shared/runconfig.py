@@ -66,7 +66,8 @@ def protocol_settings(settings: Settings) -> dict[str, Any]:
     settings, published with them (``protocol``) as the run's values, not compared: when
     an entry of a dead consumer may be taken over, after how many deliveries an entry is
     dead-lettered, how long a liveness key lives and how often producers renew their
-    heartbeat, and how long a stopping process waits for the others."""
+    heartbeat, how long a stopping process waits for the others, whether the run keeps an
+    archive (then commits log what they train) and the caps of the capped streams."""
     return {
         "buffer.claim_idle_ms": settings.buffer.claim_idle_ms,
         "buffer.max_attempts": settings.buffer.max_attempts,
@@ -74,6 +75,12 @@ def protocol_settings(settings: Settings) -> dict[str, Any]:
         "process.stop_timeout_s": settings.process.stop_timeout_s,
         "producer.heartbeat_s": settings.producer.heartbeat_s,
         "rollout.stale_threshold": settings.rollout.stale_threshold,
+        # a trainer commits with COMMIT_LOGGED when the run keeps an archive (keep > 0): the
+        # plain COMMIT deletes the groups before the archiver has them
+        "archive.keep": settings.archive.keep,
+        # the caps of the dead letters and filtered records (XADD ... MAXLEN ~ N)
+        "buffer.dead_maxlen": settings.buffer.dead_maxlen,
+        "buffer.filtered_maxlen": settings.buffer.filtered_maxlen,
     }
 
 

@@ -1,4 +1,4 @@
-"""The Lua scripts that make buffer operations atomic.
+"""The Lua scripts that make buffer operations atomic (the hand-backs: scripts_stranded.py).
 
 Redis runs a script alone, but does not roll back one that fails half-way,
 so each script checks everything before its first write. Above all, what
@@ -21,7 +21,7 @@ from redis.commands.core import Script
 from rollstream.shared.codec import FORMAT_VERSION
 
 # Fields a dead letter sets itself, in this order: why, how many deliveries, the stream and
-# id it came from. An original field of the same name is kept as "orig.NAME".
+# id it came from (an original field of the same name is kept as "orig.NAME").
 DEAD_HEADER = ("reason", "attempts", "source", "source_id")
 
 
@@ -30,7 +30,7 @@ def _lua_strings(names: tuple[str, ...]) -> str:
     return "{" + ", ".join(f"'{name}'" for name in names) + "}"
 
 
-_DEAD_LETTER_FN = (
+DEAD_LETTER_FN = (
     """
 local DEAD_HEADER = """
     + _lua_strings(DEAD_HEADER)
@@ -59,7 +59,7 @@ end
 
 # A counter that HINCRBY increments: an integer as Redis writes one. tonumber() also takes
 # '1.5', '0x10' or ' 7', which HINCRBY refuses after the script's earlier writes.
-_CHECK_COUNTER_FN = """
+CHECK_COUNTER_FN = """
 local function check_counter(hash, field)
   if field == '' then return end
   local v = redis.call('HGET', hash, field)
@@ -67,6 +67,12 @@ local function check_counter(hash, field)
     error('progress field ' .. field .. ' is not a number: ' .. v)
   end
 end
+"""
+
+PRIOR_ATTEMPTS = "attempts"  # a claim handed back keeps its deliveries (scripts_stranded.py)
+PRIOR_ATTEMPTS_FN = """
+local function prior_attempts(f)
+  for j = 1, #f, 2 do if f[j] == 'attempts' then return tonumber(f[j + 1]) or 0 end end return 0 end
 """
 
 # KEYS: source stream, progress hash, fence counter of the source, destination streams...
@@ -132,7 +138,7 @@ def _commit_script(
     before the XACK, ``delete`` after it and ``trim`` after the count, those three only
     when some ids are owned; then ``reply`` is returned."""
     return (
-        _CHECK_COUNTER_FN
+        CHECK_COUNTER_FN
         + f"""
 local owned, foreign = {{}}, {{}}
 for i = {first_id}, #ARGV do
@@ -261,8 +267,9 @@ return #gone
 # answers an entry deleted while pending with a nil in place of the entry, id and all.
 # XPENDING ... IDLE names each entry's owner; XCLAIM then takes one entry at a time.
 RECLAIM = (
-    _DEAD_LETTER_FN
-    + _CHECK_COUNTER_FN
+    DEAD_LETTER_FN
+    + CHECK_COUNTER_FN
+    + PRIOR_ATTEMPTS_FN
     + """
 check_counter(KEYS[3], ARGV[7])
 check_counter(KEYS[3], ARGV[8])
@@ -283,6 +290,7 @@ for _, p in ipairs(pending) do
     end
     local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], id)
     local entry = claimed[1]
+    if entry and entry[2] then deliveries = deliveries + prior_attempts(entry[2]) end
     if not entry or not entry[2] then
       -- deleted while pending: Redis 7 has dropped it from the pending list, 6.2 keeps it
       redis.call('XACK', KEYS[1], ARGV[1], id)
@@ -316,8 +324,8 @@ return {cursor, out}
 # ('' when not pending), deliveries}; {its dead letter's id, '', -1} when one of the newest
 # 1000 dead letters is that entry already; else an error NOENTRY.
 DEAD_LETTER_BY_HAND = (
-    _DEAD_LETTER_FN
-    + _CHECK_COUNTER_FN
+    DEAD_LETTER_FN
+    + CHECK_COUNTER_FN
     + """
 local t = redis.call('TYPE', KEYS[1]).ok
 if t ~= 'stream' then return redis.error_reply('NOENTRY ' .. KEYS[1] .. ' is not a stream') end
@@ -418,7 +426,7 @@ return out
 # KEYS: prompts stream, fed-uid set, progress hash
 # ARGV: progress field, then (uid, task, data) triples. Idempotent by uid.
 FEED = (
-    _CHECK_COUNTER_FN
+    CHECK_COUNTER_FN
     + """
 if redis.call('TYPE', KEYS[1]).ok ~= 'stream' and redis.call('EXISTS', KEYS[1]) == 1 then
   error(KEYS[1] .. ' is not a stream')
@@ -445,7 +453,7 @@ return added
 #       writing when the cursor moved, unless this very call moved it: sent again after
 #       its reply was lost, it finds its token in the write field and answers as it did.
 FEED_AT_CURSOR = (
-    _CHECK_COUNTER_FN
+    CHECK_COUNTER_FN
     + """
 local current = redis.call('HGET', KEYS[2], ARGV[1]) or ''
 if current ~= ARGV[2] then

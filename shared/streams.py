@@ -41,7 +41,7 @@ import redis
 
 from rollstream.shared import codec
 from rollstream.shared.errors import CorruptValueError, RedisOutOfMemory, ReplayBufferError
-from rollstream.shared.keys import GROUP_OF_KIND, Keys
+from rollstream.shared.keys import GROUP_OF_KIND, Count, Keys
 from rollstream.shared.records import MAX_STEP
 from rollstream.shared.redis_cluster import follow_slot_said, pool_for
 from rollstream.shared.resp import CommandWriter
@@ -133,7 +133,19 @@ def corrupt_counter(error: Exception, progress: str) -> CorruptValueError | None
     match = _CORRUPT_COUNTER.search(str(error))
     if match is None:
         return None
-    return CorruptValueError(progress, match.group(1), match.group(2), "a count")
+    field = match.group(1)
+    return CorruptValueError(progress, field, match.group(2), counter_expected(progress, field))
+
+
+def counter_expected(progress: str, field: str) -> str:
+    """What a progress counter must hold, with the repair: the run's fault, not its
+    entries', so every process that settles stops on it until a person sets it."""
+    kind = "a number" if field.rpartition(":")[2] == Count.REWARD_SUM else "a count"
+    return (
+        f"{kind}: every settle that counts in it fails until it is repaired, with "
+        f"`redis-cli HSET {progress} {field} <its value>` (`rollstream status` shows the task's "
+        "other counters to work it out from; 0 only if nothing was counted in it yet)"
+    )
 
 
 @dataclass(slots=True)

@@ -203,3 +203,17 @@ class ProducerProcess:
     def finish(self, timeout: float = 120) -> tuple[int, str, str]:
         code = self.proc.wait(timeout=timeout)
         return code, self.out.read_text(), self.err.read_text()
+
+
+DOCS_PAGES = ("README.md", *(f"docs/{page}" for page in (
+    "index.md", "getting-started.md", "processes.md", "cluster.md", "engines.md", "trainers.md", "integrations.md",
+    "metrics.md", "archive.md", "faults.md", "performance.md", "stream-format.md",
+)))  # fmt: skip
+
+
+def documentation() -> str:
+    """The project's documentation as one text: the README and the site's pages (docs/,
+    mkdocs.yml), in the site's order. Tests that check what the documentation says read
+    this, wherever a section lives."""
+    root = Path(__file__).resolve().parents[1]
+    return "\n\n".join((root / page).read_text(encoding="utf-8") for page in DOCS_PAGES)

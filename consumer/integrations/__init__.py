@@ -10,7 +10,7 @@ a commit, staleness bounded, the weights back to the engines after every optimiz
 
 Each takes its parts (a coordinator or a reader, the run's control, a weight publisher, a
 plan of plain numbers); consumer/assembly.py builds them from the settings
-(``create_trl_rollout``, ``create_async_grpo``, ``create_batch_stream``). docs/trainers.md
+(``create_trl_rollout``, ``create_async_grpo``, ``create_batch_stream``). docs/integrations.md
 is the guide. Nothing here imports the outside trainer until it is used: rollstream
 imports without it.
 """

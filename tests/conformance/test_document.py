@@ -108,7 +108,19 @@ def test_the_dead_letter_commands_count_what_the_bundled_reader_counts(
 
 # --- §5.2.2 what a reader checks: every row, on the bundled reader and the page's -------
 
-ROW = re.compile(r"^\| `(\w+)` = `([^`]*)` \| (dead letter|read, warning|read|stop) \|", re.M)
+ROW = re.compile(r"^\| `([\w.\[\]]+)` = `([^`]*)` \| (dead letter|read, warning|read|stop) \|", re.M)
+SAMPLE_KEY = re.compile(r"meta\.samples\[(\d+)\]\.(\w+)")
+
+
+def changed(fields: dict[bytes, bytes], name: str, value: str) -> dict[bytes, bytes]:
+    """The example entry with one row's change: a plain field, or a key of one sample in
+    ``meta`` (``meta.samples[1].status``)."""
+    sample = SAMPLE_KEY.fullmatch(name)
+    if sample is None:
+        return {**fields, name.encode(): value.encode()}
+    meta = orjson.loads(fields[b"meta"])
+    meta["samples"][int(sample.group(1))][sample.group(2)] = value
+    return {**fields, b"meta": orjson.dumps(meta)}
 
 
 def reader_rows() -> list[tuple[str, str, str]]:
@@ -139,6 +151,7 @@ def test_the_reader_table_has_its_rows() -> None:
         "response_tokens",
         "reward_mean",
         "group_id",
+        "meta.samples[1].status",
     } <= fields
 
 
@@ -152,7 +165,7 @@ def test_each_row_of_what_a_reader_checks(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fields = {**example_entry(), name.encode(): value.encode()}
+    fields = changed(example_entry(), name, value)
     # the bundled reader
     monkeypatch.setattr(codec, "_WARNED", set())
     buffer: ReplayBuffer = real_buffer("trainer")
@@ -320,3 +333,28 @@ def test_the_events_are_what_the_bundled_code_publishes(
         assert "HSET rs:{run}:state model_step <t>" in block
         assert client.hget(keys.state, "model_step") == b"7" == written[b"model_step"]
     client.close()
+
+
+# --- the scripts the page prints are the bundled ones (§11.9, §13) ---------------------
+
+
+@pytest.mark.parametrize(
+    ("number", "name"),
+    [("11.9.1", "CLAIM_BOUNDED"), ("11.9.2", "TOUCH"), ("13.", "COMMIT_LOGGED")],
+)
+def test_a_script_the_page_prints_is_the_bundled_one(number: str, name: str) -> None:
+    from rollstream.shared import scripts
+
+    printed = [b.strip() for b in blocks(section(document(), number), "lua")]
+    assert getattr(scripts, name).strip() in printed, f"§{number} does not print {name} as the code has it"
+
+
+def test_the_protocol_table_names_every_published_number(make_settings: Any) -> None:
+    """§10: every name the run publishes under "protocol" has its row, archive.keep first
+    among what a foreign trainer must not miss."""
+    from rollstream.shared.runconfig import protocol_settings
+
+    text = section(document(), "10.")
+    names = set(protocol_settings(make_settings()))
+    assert "archive.keep" in names
+    assert {n for n in names if f"| `{n}` |" not in text} == set()

@@ -61,6 +61,18 @@ def page_lua(section: str) -> list[str]:
 COMMIT_LUA, ADVANCE_LUA = page_lua("11.5")
 
 
+def last_section_lua(heading: str) -> list[str]:
+    """The Lua blocks of the page's section ``heading`` ("13."), up to the next top-level
+    section or the end of the page."""
+    text = SPEC.read_text(encoding="utf-8")
+    body = re.search(rf"^## {re.escape(heading)}.*?$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert body is not None, f"no section {heading} in {SPEC}"
+    return re.findall(r"^```lua\n(.*?)^```$", body.group(1), re.M | re.S)
+
+
+(COMMIT_LOGGED_LUA,) = last_section_lua("13.")  # §13: the commit of a run that keeps an archive
+
+
 class Undecodable(Exception):
     """An entry that breaks §5.2: dead-lettered at its first delivery (§11.4)."""
 
@@ -264,13 +276,17 @@ class ForeignTrainer:
         self.claim_idle_ms, self.max_attempts = claim_idle_ms, max_attempts
         self.ttl_ms = int(liveness_ttl_s * 1000)
         self._commit = client.register_script(COMMIT_LUA)
+        self._commit_logged = client.register_script(COMMIT_LOGGED_LUA)
         self._advance = client.register_script(ADVANCE_LUA)
         # §11.1 start-up
         state = client.hgetall(self.state)
         version = state.get(b"format", b"1.0").decode()
         if version.split(".")[0] != "1":
             raise RuntimeError(f"run {run!r} is in stream format {version}; this trainer reads 1.x")
-        shared = orjson.loads(state[b"settings"])["settings"]  # §10
+        published = orjson.loads(state[b"settings"])  # §10
+        shared = published["settings"]
+        # §10 / §12: a run that keeps an archive says so; absent = the defaults (keep 0)
+        self.archive_keep = int(published.get("protocol", {}).get("archive.keep", 0))
         self.batch_size = int(shared["rollout.batch_size"])
         self.interval = int(shared["rollout.sync_weights_interval"])
         self.threshold = (int(shared["rollout.max_staleness"]) + 1) * self.interval
@@ -614,9 +630,21 @@ class ForeignTrainer:
             by_task.setdefault(group.task, []).append(group.entry_id)
             self.holding[group.task].discard(group.entry_id)
         for task, ids in by_task.items():
-            reply = self._commit(
-                keys=[self.groups(task), self.progress], args=[TRAINER, self.me, f"{task}:consumed", *ids]
-            )
+            if self.archive_keep > 0:  # §13: acked and counted, logged for the archiver, not deleted
+                keys = [self.groups(task), self.progress, f"{self.base}:trained:{task}"]
+                args = [
+                    TRAINER,
+                    self.me,
+                    f"{task}:consumed",
+                    record.step,
+                    repr(time.time()),
+                    self.archive_keep,
+                ]
+                reply, _length, _trimmed = self._commit_logged(keys=keys, args=[*args, *ids])
+            else:
+                reply = self._commit(
+                    keys=[self.groups(task), self.progress], args=[TRAINER, self.me, f"{task}:consumed", *ids]
+                )
             foreign += [i.decode() for i in reply]
         self._advance(keys=[self.state], args=["train_step", record.step])
         self.train_step = record.step
@@ -982,3 +1010,45 @@ def test_the_page_trainer_keeps_what_it_holds_fresh_and_takes_back_its_strays(
     assert client.xpending(stream, TRAINER)["pending"] == 0
     a.close()
     b.close()
+
+
+def test_the_page_trainer_commits_an_archive_runs_groups_to_the_trained_log(
+    redis_server: Any, make_settings: Any, real_client: redis.Redis, run_name: str
+) -> None:
+    """§10 / §12 / §13: a run that keeps an archive publishes archive.keep in its state,
+    and the page's trainer, reading it there, commits with the page's COMMIT_LOGGED: the
+    groups are acked and counted, logged for the archiver and left for it (the plain
+    commit deleted them: the archive missed every group a foreign trainer trained)."""
+    from rollstream.shared import codec
+    from rollstream.shared.records import Prompt
+    from rollstream.shared.runconfig import check_run_settings, open_buffer
+    from tests.helpers import group_for
+
+    # Given a run whose first process keeps an archive of 100 groups per task
+    settings = make_settings(
+        redis_server.url, tasks=[{"name": "math", "n": 2}], rollout={"batch_size": 3}, archive={"keep": 100}
+    )
+    buffer = open_buffer(real_client, settings, "producer")
+    check_run_settings(buffer.client, buffer.keys, settings, "feeder")
+    buffer.ensure("math")
+    for i in range(3):
+        group = group_for(Prompt(uid=f"q{i}", task="math", prompt=f"What is {i} + 1?"), n=2, step=0)
+        buffer.client.xadd(buffer.keys.groups("math"), codec.encode_group(group))
+    client, stream = buffer.client, buffer.keys.groups("math")
+
+    # When the page's trainer reads and commits a step
+    trainer = ForeignTrainer(client, run_name, "trainer-a", claim_idle_ms=60_000, max_attempts=3)
+    assert trainer.archive_keep == 100
+    record = trainer.read_batch(1, timeout_s=10)
+    assert trainer.commit(record) == []
+    trainer.close()
+
+    # Then the groups are acked and counted, not deleted, each with its trained-log entry
+    ids = sorted(g.entry_id for g in record.groups)
+    assert client.xpending(stream, TRAINER)["pending"] == 0
+    assert sorted(i.decode() for i, _ in client.xrange(stream)) == ids
+    assert int(client.hget(buffer.keys.progress, "math:consumed") or 0) == 3
+    log = client.xrange(buffer.keys.trained("math"))
+    assert sorted(f[b"source_id"].decode() for _, f in log) == ids
+    assert {(f[b"train_step"], f[b"trained_by"]) for _, f in log} == {(b"1", b"trainer-a")}
+    assert all(float(f[b"trained_at"]) > 0 for _, f in log)

@@ -27,11 +27,10 @@ from rollstream.shared.keys import Keys
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import load_settings
-from tests.helpers import group_for, prompts
+from tests.helpers import documentation, group_for, prompts
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 LONG_TEXT = "The answer is 2. " * 10  # 170 characters: the output shows the first 80
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6 * 7?"}]
 
@@ -148,7 +147,7 @@ def test_groups_show_ids_token_counts_versions_rewards_and_the_undecodable_entry
     u0, rest = out.split(run.ids["u1"] + "  ")
     u1, bad = rest.split(run.ids["bad group"] + "  ")
     assert f"{run.ids['u0']}  task default  group_id default:u0  model_step 3  status completed  n 2" in u0
-    assert "prompt_tokens 6  response_tokens 10  reward_mean 0.5" in u0
+    assert "prompt_tokens 3  response_tokens 10  reward_mean 0.5" in u0
     # the writer's summary line, as stored (its content: tests/unit/test_summary.py)
     assert '  summary default step=3 n=2 reward=0.5+-0.5 len=5/5/5 completed uid=u0 "What is 0 + 1?"\n' in u0
     assert 'uid u0  prompt "What is 0 + 1?"' in u0
@@ -180,7 +179,7 @@ def test_groups_as_json_carry_the_same_numbers(run: Run) -> None:
         "default",
     )
     assert (u0["model_step"], u0["status"], u0["n"], u0["reward_mean"]) == (3, "completed", 2, 0.5)
-    assert (u0["prompt_tokens"], u0["response_tokens"]) == (6, 10)
+    assert (u0["prompt_tokens"], u0["response_tokens"]) == (3, 10)  # the field: shared, once
     assert [s["tokens"] for s in u0["samples"]] == [5, 5]
     assert [s["versions"] for s in u0["samples"]] == [[[3, 5]], [[3, 5]]]
     assert [s["reward"] for s in u0["samples"]] == [{"score": 0.0}, {"score": 1.0}]
@@ -212,11 +211,11 @@ def test_a_group_entry_without_a_summary_shows_the_rest(run: Run) -> None:
 
 
 def test_the_readme_redis_cli_line_prints_the_newest_summaries(run: Run, redis_server: EmbeddedRedis) -> None:
-    """The README's cookbook line, run as written (shell, redis-cli, awk) on this run."""
+    """The documentation's cookbook line, run as written (shell, redis-cli, awk) on this run."""
     cli = shutil.which("redis-cli") or str(Path(redis_server.binary).with_name("redis-cli"))
     if not Path(cli).is_file():
         pytest.skip("no redis-cli")
-    (line,) = [line for line in README.read_text().splitlines() if '"summary"' in line]
+    (line,) = [line for line in documentation().splitlines() if '"summary"' in line]
     command = line.replace("redis-cli", f"{cli} -u {run.url}", 1).replace("{exp1}", f"{{{run.name}}}")
     out = subprocess.run(
         ["bash", "-c", command], capture_output=True, text=True, timeout=30, check=True

@@ -1,4 +1,4 @@
-"""examples/torch_loop.py, the PyTorch loop docs/trainers.md shows, run as its users run it
+"""examples/torch_loop.py, the PyTorch loop docs/integrations.md shows, run as its users run it
 (settings from ROLLSTREAM_* variables) against producers on hf engines in Ray actors: it
 trains its steps on the run's groups, commits each, and the engines end on weights it
 published. Heavy: Ray, the engines."""

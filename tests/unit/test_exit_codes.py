@@ -1,19 +1,17 @@
-"""The README's table of exit statuses names every status the CLI exits with."""
+"""The documentation's table of exit statuses names every status the CLI exits with."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from rollstream.cli import main
-
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.helpers import documentation
 
 
 def test_the_readme_table_has_every_exit_status() -> None:
     codes = {v for name, v in vars(main).items() if name.startswith("RET_") and isinstance(v, int)}
     assert codes >= {0, 1, 2, 3, 4, 5}
-    text = README.read_text(encoding="utf-8")
+    text = documentation()
     start = text.index("Every `rollstream` command exits with one of these")
     section = text[start : text.index("RestartPreventExitStatus=5", start)]
     table = {int(code) for code in re.findall(r"^\| (\d+) \| ", section, re.M)}

@@ -27,10 +27,11 @@ from rollstream.shared.engine_settings import BUILTIN_ENGINES
 from rollstream.shared.errors import SettingsError
 from rollstream.shared.records import Group, Prompt, Sample
 from rollstream.shared.settings import load_settings
+from tests.helpers import documentation
 from tests.plugins.engine import MARK, MarkedEngine, make
 
 PLUGIN = "tests.plugins.engine:make"
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README = documentation()  # the README and the site's pages (docs/)
 
 
 @pytest.fixture(autouse=True)

@@ -11,15 +11,15 @@ import inspect
 import re
 import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollstream import consumer
 from rollstream.producer import engines, filters, judges
+from tests.helpers import documentation
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README = documentation()  # the README and the site's pages (docs/)
 API_SECTION = README.partition("\n## Python API\n")[2].partition("\n## ")[0]
 
 PUBLIC: dict[str, list[str]] = {

@@ -159,7 +159,21 @@ def test_the_protocols_numbers_are_published_with_the_settings_not_compared(
         "process.stop_timeout_s": 20.0,
         "producer.heartbeat_s": 1.5,
         "rollout.stale_threshold": 6,
+        "archive.keep": 0,
+        "buffer.dead_maxlen": 10_000,
+        "buffer.filtered_maxlen": 100_000,
     }
     later = make_settings(rollout={"max_staleness": 2, "sync_weights_interval": 2})  # other defaults
     assert check_run_settings(fake_client, keys, later, "producer-1") is False  # the run's stay
     assert published(fake_client, keys)["protocol"]["buffer.claim_idle_ms"] == 30_000
+
+
+def test_an_archive_runs_keep_is_published_for_a_foreign_trainer(
+    fake_client: redis.Redis, make_settings: SettingsFactory
+) -> None:
+    """With archive.keep > 0 a trainer must commit with COMMIT_LOGGED (docs/stream-format.md
+    §12): the run's state says so, or a foreign trainer commits with the plain script and
+    the archive misses every group it trains."""
+    keys = Keys(make_settings().run)
+    assert check_run_settings(fake_client, keys, make_settings(archive={"keep": 100}), "feeder") is True
+    assert published(fake_client, keys)["protocol"]["archive.keep"] == 100
