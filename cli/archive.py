@@ -37,6 +37,7 @@ def archive(settings: Settings, stop: threading.Event) -> int:
     with running(
         settings, Role.ARCHIVER, stop, name=ARCHIVER_CONSUMER, detail=detail, keep=keep,
         dir=str(Path(settings.archive.dir).resolve()),
+        refuse_stopped=False,  # a stopped run's trained groups are still to write
     ) as process:  # fmt: skip
         if process is None:
             return 0

@@ -10,11 +10,13 @@ from typing import Any
 from tqdm import tqdm
 
 from rollstream.cli.logs import Ticker, on_terminal
-from rollstream.cli.process import running, start_line
+from rollstream.cli.process import run_stopped, running, start_line
 from rollstream.producer.feeder import Cursor, Feeder
 from rollstream.producer.prompts import read_prompt_file
 from rollstream.shared.buffer_types import default_consumer_name
 from rollstream.shared.connection import connect, wait_for_redis
+from rollstream.shared.errors import RunStopped
+from rollstream.shared.events import RunControl
 from rollstream.shared.keys import Keys, Role
 from rollstream.shared.runconfig import check_run_settings, open_buffer, run_identity
 from rollstream.shared.settings import Settings
@@ -47,6 +49,9 @@ def feed(
     else:
         client = connect(settings.redis)
     run_identity(client, Keys(settings.run), settings.redis.url)  # a run marked lost is not fed again
+    why = run_stopped(RunControl(client, Keys(settings.run)), "feed", default_consumer_name("feed"))
+    if why:
+        raise RunStopped(f"{why}: nothing fed")
     check_run_settings(client, Keys(settings.run), settings, default_consumer_name("feed"))
     buffer = open_buffer(client, settings, default_consumer_name("feed"))
     added = existing = 0

@@ -32,7 +32,9 @@ def serve_run_metrics(settings: Settings, stop: threading.Event) -> int:
     # served here, required; the process wrapper's own serving finds it served already
     with (
         telemetry.serving(settings.metrics, settings.run, Role.METRICS, required=True) as port,
-        running(settings, Role.METRICS, stop, port=port, tasks=",".join(tasks)) as process,
+        running(
+            settings, Role.METRICS, stop, port=port, tasks=",".join(tasks), refuse_stopped=False
+        ) as process,
     ):
         if process is None:
             return 0

@@ -214,6 +214,7 @@ def _running(
     heartbeat: bool = True,
     follow: bool = True,
     known_run: tuple[str, str] | None = None,
+    refuse_stopped: bool = True,
     **start_info: Any,
 ) -> Iterator[Process | None]:
     """The process's life around its work; yields None when ``stop`` is set while it
@@ -226,7 +227,12 @@ def _running(
     (a NOGROUP of a stream that went with it). ``known_run``: the run id a record of its
     own says the run had, and which record, so that even at the start a Redis that came
     back empty is not taken for a new run. Redis gone while a signal stops the process
-    (a process manager stopping Redis too) is said, and the stop is clean: exit 0."""
+    (a process manager stopping Redis too) is said, and the stop is clean: exit 0.
+
+    A run that was stopped already (its stop event published before this process
+    started) is not worked on: it says so and yields None, as for a stop while waiting
+    (exit 0, so that a supervisor that restarts on failure leaves it down), unless
+    ``refuse_stopped`` is False (the metrics and archive processes, which only read)."""
     name = name or default_consumer_name(role)
     start_line(role, settings, name=name, **start_info)
     client = wait_for_redis(settings.redis, settings.process.wait_timeout_s, stop)
@@ -240,6 +246,12 @@ def _running(
     if check_run_settings(client, keys, settings, name):
         log.info("published the run's shared settings (rollout, tasks)")
     control = RunControl(client, keys)
+    if refuse_stopped and (why := run_stopped(control, role, name)):
+        # a process manager restarting what exited on the stop (a Deployment), or a process
+        # started late: the stop event is behind it, and it would work on a finished run
+        log.warning("%s and exits", why)
+        yield None
+        return
     after = control.last_event_id()  # before the caller reads any state: nothing is missed
     process = Process(
         settings.run, settings.redis.url, settings.process, role, name, stop, client, control,
@@ -305,6 +317,20 @@ def _running(
         if isinstance(process.errors[0], RunLost):
             raise process.errors[0]
         raise ProcessFailed(f"{role} {name} stopped: {process.errors[0]!r}")
+
+
+def run_stopped(control: RunControl, role: str, name: str) -> str:
+    """Why ``role`` ``name`` will not work on the run ("" while the run goes on): its stop
+    event was published before the process started."""
+    stopped = control.stopped()
+    if stopped is None:
+        return ""
+    at = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(stopped))
+    return (
+        f"run {control.keys.run!r} was stopped at {at} (its stop event): {role} {name} will not work "
+        "on it; `rollstream resume` lets the run go on, and a new run needs a new run name (run, "
+        "ROLLSTREAM_RUN)"
+    )
 
 
 WATCH_RUN_S = 1.0

@@ -66,6 +66,11 @@ class RunLost(RollstreamError):
     was lost and how to go on."""
 
 
+class RunStopped(RollstreamError):
+    """The run was stopped (its stop event published): it is over, and a command that
+    would add to it (a one-shot feed) refuses; long-running processes say so and exit 0."""
+
+
 class WaitTimeout(RollstreamError):
     """A process waited for something it needs (Redis, engines, a Ray address) too long."""
 

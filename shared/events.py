@@ -33,6 +33,7 @@ from rollstream.shared.keys import (
     PAUSED,
     PRODUCER_BEAT,
     RAY_ADDRESS,
+    STOPPED,
     TRAIN_STEP,
     Keys,
     producer_beat_field,
@@ -158,6 +159,11 @@ class RunControl:
     def paused(self) -> bool:
         return self.client.hget(self.keys.state, PAUSED) == b"1"
 
+    def stopped(self) -> float | None:
+        """When the run's stop event was published (epoch seconds), None while it runs."""
+        raw = self.client.hget(self.keys.state, STOPPED)
+        return None if raw is None else stored_float(raw, self.keys.state, STOPPED, "epoch seconds")
+
     def ray_address(self) -> str:
         value = self.client.hget(self.keys.state, RAY_ADDRESS)
         return "" if value is None else text(value)
@@ -208,8 +214,11 @@ class RunControl:
         pipe = self.client.pipeline(transaction=True)
         if type_ == PAUSE:
             pipe.hset(self.keys.state, PAUSED, "1")
-        elif type_ == RESUME:
-            pipe.hdel(self.keys.state, PAUSED)
+        elif type_ == RESUME:  # and a stopped run goes on: an operator's act
+            pipe.hdel(self.keys.state, PAUSED, STOPPED)
+        elif type_ == STOP:  # kept in the state: the events stream is capped, and a process
+            # that starts later reads only the events after the last one
+            pipe.hset(self.keys.state, STOPPED, repr(fields["ts"]))
         pipe.xadd(self.keys.events, fields, maxlen=EVENTS_CAP, approximate=True)  # type: ignore[arg-type]
         return text(pipe.execute()[-1])
 

@@ -70,6 +70,7 @@ FORMAT = "format"  # the stream-format version the run was written in (docs/stre
 RUN_SETTINGS = "settings"  # the settings every process of the run must share (JSON)
 RAY_ADDRESS = "ray_address"  # the Ray cluster the run's engines live on
 PAUSED = "paused"  # "1" while the run is paused
+STOPPED = "stopped"  # when the run's stop event was published (epoch seconds): the run is over
 REPLICATED = "replicated"  # a counter the trainer bumps before each WAIT (redis.wait_replicas)
 PRODUCER_BEAT = "producer:"  # + a producer's name: its heartbeat JSON (model_step, inflight, ts)
 RUN_ID = "run_id"  # the run's identity, made once by its first process: a Redis that lost it shows
