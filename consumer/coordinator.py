@@ -59,6 +59,7 @@ from typing import Any
 
 import orjson
 
+from rollstream.consumer.batch_dead import BatchDeadLetters
 from rollstream.consumer.metrics import eval_metrics
 from rollstream.shared import codec
 from rollstream.shared.buffer import ReplayBuffer
@@ -151,6 +152,7 @@ class BatchCoordinator:
         self._renew_script = self.client.register_script(_RENEW)
         self._end = self.client.register_script(_END)
         self._held: dict[str, list[BatchItem]] = {}  # train groups read for another batch
+        self._dead = BatchDeadLetters(self.client, self.keys.dead)  # settled with no result
 
     # --- the API -----------------------------------------------------------------------
 
@@ -195,6 +197,7 @@ class BatchCoordinator:
             "tasks": tasks,
         }
         self.client.hset(key, mapping=mapping)
+        self._dead.mark(key)
         self.buffer.feed(tagged, pool=EVALS if kind == "eval" else PROMPTS, batch=batch_id)
         self._transition(keys=[key], args=[BatchStatus.PENDING.value, BatchStatus.RUNNING.value])
         return len(tagged)
@@ -343,13 +346,16 @@ class BatchCoordinator:
             wanted = int(self.client.hget(key, "min_wait_num") or total)
             renewed = time.monotonic()
             groups = self._collect(batch_id, kind)
-            while len(groups) < total and (deadline is None or time.monotonic() < deadline):
+            dead = self._dead.of(batch_id, key)  # settled too: no result will come for them
+            while len(groups) + len(dead) < total and (deadline is None or time.monotonic() < deadline):
                 time.sleep(POLL_S)
                 if time.monotonic() - renewed >= self.lease_s / 3:
                     self._renew(key, owner)
                     renewed = time.monotonic()
-                groups = self._collect(batch_id, kind)
-            if len(groups) < wanted:
+                groups, dead = self._collect(batch_id, kind), self._dead.of(batch_id, key)
+            if dead:  # no result will come for them: what is waited for is capped by what can come
+                log.warning("batch %r: %d of %d prompts dead-lettered", batch_id, len(dead), total)
+            if len(groups) < min(wanted, total - len(dead)):
                 self._end(keys=[key], args=[owner, "status", BatchStatus.RUNNING.value])  # may try again
                 raise BatchTimeout(
                     f"batch {batch_id!r}: {len(groups)} of {total} results after {timeout} s, "
@@ -359,7 +365,8 @@ class BatchCoordinator:
             removed = self._remove_unclaimed(batch_id) if len(groups) < total else 0
             status = BatchStatus.HANDED if hand_over else BatchStatus.FINALIZED
             result = self._result(batch_id, groups, status)
-            result["removed_prompts"] = removed
+            result["removed_prompts"], result["dead_prompts"] = removed, len(dead)
+            self._dead.forget(batch_id)
             stored = self._end(
                 keys=[key], args=[owner, "status", result["status"], "result", orjson.dumps(result)]
             )

@@ -204,3 +204,33 @@ def test_finalize_with_a_timeout_honours_min_wait_num(redis_server: EmbeddedRedi
     assert result["finished_task_count"] == 3
     assert result["removed_prompts"] == 7  # the rest is cleaned up
     assert coord.client.xlen(coord.keys.prompts("math")) == 0
+
+
+@pytest.mark.parametrize("kind", ["eval", "train"])
+def test_a_batch_whose_prompt_went_to_the_dead_letters_finalizes_without_it(
+    redis_server: EmbeddedRedis, run_name: str, kind: str
+) -> None:
+    """A prompt delivered max_attempts times (or undecodable) is dead-lettered: no result
+    will ever come for it. Finalizing with no timeout (what the evaluator does) waited for
+    it for ever; it is settled, and the result says how many went. Prompts not yet claimed
+    when the rest settled would be removed; here every one was claimed."""
+    settings = coordinator_settings(redis_server, run_name)
+    coord = coordinator(redis_server, settings)
+    coord.submit_batch("b9", prompts("math", 3), kind=kind)
+    worker = open_buffer(coord.client, settings, "hand")
+    claims = worker.claim("math", 3)
+    assert len(claims) == 3
+    for claim in claims[:2]:
+        worker.complete(claim, group_for(claim.prompt))
+    assert worker.dead_letter(claims[2].entry, "delivered 4 times")
+    finalize = coord.finalize_eval_batch if kind == "eval" else coord.finalize_train_batch
+    result = finalize("b9", timeout=None)
+    assert result["status"] == "finalized" and result["dead_prompts"] == 1
+    assert result["finished_task_count"] == 2
+    # min_wait_num counts what can still come: with one of two dead, one result finalizes
+    coord.submit_batch("b10", prompts("math", 2, start=10), kind=kind, min_wait_num=2)
+    (first, second) = worker.claim("math", 2)
+    worker.complete(first, group_for(first.prompt))
+    worker.dead_letter(second.entry, "undecodable")
+    result = finalize("b10", timeout=5.0)
+    assert (result["finished_task_count"], result["dead_prompts"]) == (1, 1)
