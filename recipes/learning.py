@@ -280,7 +280,8 @@ def run_learning(
     if eval_every > 0:
         coordinator = create_coordinator(settings, client=client, consumer=f"{run}-eval")
         count = task.eval_prompts if eval_prompts is None else eval_prompts
-        evaluator = Evaluator(coordinator, eval_sets(held_out, count, task.sampled_eval), eval_every)
+        sets = eval_sets(held_out, count, task.sampled_eval)
+        evaluator = Evaluator(coordinator, sets, eval_every, timeout_s=task.eval_timeout_s)
     trainer = create_trainer(
         settings, client=client, consumer=f"{run}-trainer", policy=policy, evaluator=evaluator
     )

@@ -31,6 +31,7 @@ class LearningTask:
     # whether an eval also samples the held-out prompts n times as in training (mean@n of
     # the reward), beside the greedy pass that gives the accuracy: n times the engines' work
     sampled_eval: bool = True
+    eval_timeout_s: float = 300.0  # how long an eval waits for its results
     # the producer's: groups in flight, and how long one may take (on the engines' CPUs, a
     # real model's group of 8 takes far longer than the reverse task's 14k-parameter one)
     max_inflight: int = 32
@@ -57,6 +58,7 @@ ARITHMETIC = LearningTask(
     _arithmetic_prompts,
     eval_prompts=len(arithmetic.questions("held_out")),
     sampled_eval=False,  # 205 x 8 samples on two CPU engines: minutes per eval
+    eval_timeout_s=1800.0,  # 205 greedy answers took over 300 s on a loaded 2-core machine
     max_inflight=16,  # two steps' groups: more only queue on the engines, past their timeout
     group_timeout_s=900.0,
 )
