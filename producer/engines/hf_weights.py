@@ -23,7 +23,8 @@ def read_weights(
     the weights ``lora_base`` keeps."""
     try:
         sources = dict(sources)
-        state = dict(receive(uri, sources))
+        device = next(iter(params.values())).device if params else None
+        state = dict(receive(uri, sources, device=device))
     except EngineError:
         raise
     except Exception as exc:  # a transport's failure, named with its URI

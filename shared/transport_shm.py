@@ -1,0 +1,489 @@
+"""The ``shm`` weight transport: for engines on the trainer's node. The trainer copies each
+tensor straight into a shared mapping of a tmpfs file (/dev/shm) that engines map too,
+so a step costs one copy out of the trainer and one into the engine. The weight-sync
+event's URI names the file and what it must hold:
+
+    shm:///dev/shm/rollstream-shm/<run>-<pid>-<nonce>/slot-<i>-<generation>
+        ?step=<t>&seq=<fence>&token=<hex>&node=<host>[&fallback=<another transport's URI>]
+
+Two such files (slots) take turns, so the trainer writes step t+1 into one while an
+engine still reads step t from the other; a slot is overwritten two sends later.
+
+A slot's layout (little-endian):
+
+    0   magic   8 bytes  b"RSWSHM01"
+    8   seq     u64      the fence: odd while the trainer writes, even when done
+    16  step    i64      the model step the slot holds
+    24  index   u64, u64 offset and length of the index (orjson)
+    40  token   16 bytes the sender's identity (random): the URI's must match
+    56  (spare) u64
+    64  ...     the tensors' bytes, each at a 64-byte-aligned offset, then the index
+
+The index: ``{"format": 1, "step": t, "seq": s, "tensors": {name: [offset, nbytes,
+dtype, shape, version]}}``, every tensor of the model (torch dtype names). ``version``
+is the send at which the tensor's value last changed: an engine that holds a tensor of
+the same version (from either slot) skips it, so a step that changed some tensors
+(``changed_only``, a LoRA adapter) moves only those. A slot keeps each tensor at the same
+offset from send to send while the set of names, dtypes and shapes stays; a set that
+changes gets a new layout, and a new, larger file (a new generation: a reader that still
+maps the old one keeps it until it lets go) when it no longer fits.
+
+The fence is a seqlock: the trainer makes ``seq`` odd, writes the tensors, the index and
+the step, then makes ``seq`` even (the URI's ``seq``). A reader checks ``seq`` against
+the URI before it reads and after it has copied everything out; any difference (a trainer
+killed mid-copy leaves it odd; a slot reused by a later step moves it on) fails the
+sync, naming the URI, and nothing read is handed on. x86's store order keeps the
+trainer's writes in program order; that is what the fence relies on.
+
+With CUDA, the trainer page-locks its mappings once (``cudaHostRegister``), so its
+device tensors go into them by DMA with non-blocking copies and one synchronisation
+(where registering fails: through pinned staging buffers); an engine on a GPU
+registers its mappings too and copies host -> device straight from them (``device``).
+Without CUDA the same transport is a shared-memory copy.
+
+The files live under /dev/shm/rollstream-shm/, one directory per sender named for the
+run and the trainer's pid; ``close`` removes it, and a sender that starts removes the
+directories of its run whose trainer process is gone (a trainer killed by SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import shutil
+import socket
+import struct
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+import orjson
+
+from rollstream.shared.transports import SHM, TransportSettings, WeightError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"RSWSHM01"
+HEADER = struct.Struct("<8sQqQQ16sQ")  # magic, seq, step, index offset, index length, token, spare
+SEQ = struct.Struct("<Q")
+SEQ_AT = 8
+DATA_AT = 64
+ALIGN = 64
+ROOT = "rollstream-shm"
+CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def node_name() -> str:
+    return socket.gethostname()
+
+
+# --- the layout ----------------------------------------------------------------------
+
+
+def plan(specs: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Offsets for tensors ``(name, dtype, shape, nbytes)`` in that order, each aligned;
+    returns {name: (offset, nbytes)} and where the data ends."""
+    offsets: dict[str, tuple[int, int]] = {}
+    at = DATA_AT
+    for name, _, _, nbytes in specs:
+        offsets[name] = (at, nbytes)
+        at = _align(at + nbytes)
+    return offsets, at
+
+
+def index_room(specs: list[tuple[str, str, tuple[int, ...], int]]) -> int:
+    """Bytes kept for the index: its size with the widest numbers, and spare."""
+    wide = {n: [2**62, 2**62, d, list(s), 2**62] for n, d, s, _ in specs}
+    return _align(len(orjson.dumps({"format": 1, "step": 2**62, "seq": 2**62, "tensors": wide})) + 4096)
+
+
+def read_header(buffer: Any) -> tuple[int, int, int, int, bytes]:
+    """(seq, step, index offset, index length, token) of a slot; a clear error for what
+    is no slot."""
+    if len(buffer) < DATA_AT:
+        raise WeightError(f"{len(buffer)} bytes: shorter than a slot's header")
+    magic, seq, step, offset, length, token, _ = HEADER.unpack_from(buffer, 0)
+    if magic != MAGIC:
+        raise WeightError(f"not a weights slot (magic {magic!r})")
+    return seq, step, offset, length, token
+
+
+class Slot:
+    """One shared file the sender writes into: its mapping, layout and what it holds."""
+
+    def __init__(self, directory: Path, index: int, token: bytes) -> None:
+        self.directory = directory
+        self.index = index
+        self.token = token
+        self.generation = 0
+        self.path: Path | None = None
+        self.map: mmap.mmap | None = None
+        self.view: Any = None  # the mapping as a uint8 tensor
+        self.registered = False
+        self.size = 0
+        self.signature: list[tuple[str, str, tuple[int, ...]]] = []
+        self.offsets: dict[str, tuple[int, int]] = {}
+        self.index_at = 0
+        self.versions: dict[str, int] = {}  # name -> version of the value this slot holds
+        self.seq = 0
+
+    def fit(self, specs: list[tuple[str, str, tuple[int, ...], int]], cuda: bool) -> None:
+        """The layout for this set of tensors; a larger file when it does not fit."""
+        signature = [(n, d, s) for n, d, s, _ in specs]
+        if signature == self.signature and self.map is not None:
+            return
+        offsets, end = plan(specs)
+        needed = end + index_room(specs)
+        if self.map is None or needed > self.size:
+            self._grow(needed + needed // 4, cuda)
+        self.signature, self.offsets, self.index_at = signature, offsets, end
+        self.versions = {}  # a new layout: every tensor is written again
+
+    def _grow(self, size: int, cuda: bool) -> None:
+        old = self.path
+        self.release()
+        self.generation += 1
+        self.path = self.directory / f"slot-{self.index}-{self.generation}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.seq = 0
+        HEADER.pack_into(self.map, 0, MAGIC, 0, -1, 0, 0, self.token, 0)
+        import torch
+
+        self.view = torch.frombuffer(self.map, dtype=torch.uint8)
+        if cuda:
+            self.registered = register(self.view, read_only=False)
+        if old is not None:
+            old.unlink(missing_ok=True)  # readers that map it keep it until they let go
+
+    def release(self) -> None:
+        if self.registered:
+            unregister(self.view)
+            self.registered = False
+        self.view = None
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # a tensor still views it: the memory goes with the last view
+                log.debug("weights: shm slot %s still viewed at close", self.path)
+            self.map = None
+
+    def begin(self) -> None:
+        assert self.map is not None
+        self.seq += 1 if self.seq % 2 == 0 else 2
+        SEQ.pack_into(self.map, SEQ_AT, self.seq)  # odd: being written
+
+    def end(self, step: int, index: bytes) -> int:
+        assert self.map is not None
+        if len(index) > self.size - self.index_at:
+            raise WeightError(f"shm slot {self.path}: the index ({len(index)} bytes) does not fit")
+        self.map[self.index_at : self.index_at + len(index)] = index
+        struct.pack_into("<qQQ", self.map, 16, step, self.index_at, len(index))
+        self.seq += 1
+        SEQ.pack_into(self.map, SEQ_AT, self.seq)  # even: complete
+        return self.seq
+
+
+# --- CUDA page-locking ---------------------------------------------------------------
+
+
+def register(view: Any, read_only: bool) -> bool:
+    """Page-lock a mapping (a uint8 tensor over it) for DMA; False where CUDA cannot."""
+    import torch
+
+    if not torch.cuda.is_available() or view.numel() == 0:
+        return False
+    try:
+        flags = CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
+        code = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), flags)
+    except (RuntimeError, AttributeError) as exc:
+        log.info("weights: cudaHostRegister unavailable (%s): shm copies through pageable memory", exc)
+        return False
+    if int(code) != 0:
+        log.info("weights: cudaHostRegister of %d bytes failed (error %s)", view.numel(), code)
+        return False
+    return True
+
+
+def unregister(view: Any) -> None:
+    import torch
+
+    try:
+        torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+    except (RuntimeError, AttributeError) as exc:
+        log.debug("weights: cudaHostUnregister: %s", exc)
+
+
+# --- the sender ----------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(root: Path, run: str) -> list[Path]:
+    """Remove the directories of ``run`` whose trainer process is gone; returns them."""
+    gone = []
+    for directory in root.glob(f"{run}-*-*") if root.is_dir() else []:
+        pid = directory.name.removeprefix(f"{run}-").split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(directory, ignore_errors=True)
+            gone.append(directory)
+    return gone
+
+
+def safe_run(run: str) -> str:
+    name = "".join(c if c.isalnum() or c in "._" else "_" for c in (run or "default"))
+    return name.strip(".") or "default"
+
+
+class ShmSender:
+    """Writes each send into the slot the previous send did not use."""
+
+    def __init__(self, settings: TransportSettings, run: str = "", root: str | Path | None = None) -> None:
+        import torch
+
+        base = Path(root) if root is not None else SHM / ROOT
+        if not base.parent.is_dir() or not os.access(base.parent, os.W_OK):
+            raise WeightError(
+                f"weights.kind = 'shm': {str(base.parent)!r} is not a writable directory (no tmpfs "
+                "here: use weights.kind = 'file' or 'auto')"
+            )
+        base.mkdir(exist_ok=True)
+        self.run = safe_run(run)
+        for gone in sweep(base, self.run):
+            log.info("weights: removed %s, left by a trainer that is gone", gone)
+        self.directory = base / f"{self.run}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.directory.mkdir(mode=0o700)
+        self.settings = settings
+        self.token = secrets.token_bytes(16)
+        self.node = node_name()
+        self.slots = [Slot(self.directory, i, self.token) for i in range(2)]
+        self.cuda = bool(torch.cuda.is_available())
+        self._identity: dict[str, tuple[int, int]] = {}
+        self._version: dict[str, int] = {}
+        self._sends = 0
+        self._pinned: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.last: dict[str, Any] = {}  # what the last send did (written, bytes, slot)
+
+    def _versions(self, tensors: Mapping[str, Any]) -> dict[str, int]:
+        """Each tensor's value version: this send's number where it changed (every tensor
+        without changed_only), else the version it had."""
+        out = {}
+        for name, t in tensors.items():
+            identity = (int(t.data_ptr()), int(t._version))
+            if not self.settings.changed_only or self._identity.get(name) != identity:
+                out[name] = self._sends
+            else:
+                out[name] = self._version[name]
+        self._identity = {n: (int(t.data_ptr()), int(t._version)) for n, t in tensors.items()}
+        return out
+
+    def send(self, step: int, tensors: Mapping[str, Any], fallback: str = "") -> str:
+        import torch
+
+        with self._lock:
+            self._sends += 1
+            versions = self._versions(tensors)
+            self._version = versions
+            target = getattr(torch, self.settings.dtype) if self.settings.dtype else None
+            prepared: dict[str, Any] = {}
+            for name, t in tensors.items():
+                t = t.detach()
+                if target is not None and t.is_floating_point() and t.dtype != target:
+                    t = t.to(target)
+                prepared[name] = t
+            specs = [
+                (n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+                for n, t in prepared.items()
+            ]
+            slot = self.slots[self._sends % 2]
+            slot.fit(specs, self.cuda)
+            write = [n for n in prepared if slot.versions.get(n) != versions[n]]
+            slot.begin()
+            written = self._copy(slot, {n: prepared[n] for n in write})
+            slot.versions = {n: versions[n] for n in prepared}
+            index = {
+                "format": 1,
+                "step": step,
+                "seq": slot.seq + 1,
+                "tensors": {n: [*slot.offsets[n], d, list(s), versions[n]] for n, d, s, _ in specs},
+            }
+            seq = slot.end(step, orjson.dumps(index))
+            self.last = {"written": len(write), "bytes": written, "slot": slot.index, "seq": seq}
+            query = {"step": step, "seq": seq, "token": self.token.hex(), "node": self.node}
+            if fallback:
+                query["fallback"] = fallback
+            return f"shm://{slot.path}?{urlencode(query)}"
+
+    def _copy(self, slot: Slot, tensors: Mapping[str, Any]) -> int:
+        """Each tensor's bytes into the slot: device tensors by non-blocking copies (into
+        the registered mapping, else through pinned buffers), one synchronisation."""
+        import torch
+
+        total = 0
+        devices = set()
+        for name, t in tensors.items():
+            offset, nbytes = slot.offsets[name]
+            total += nbytes
+            if not nbytes:
+                continue
+            dst = slot.view[offset : offset + nbytes].view(t.dtype).view(t.shape)
+            if t.device.type == "cpu":
+                dst.copy_(t)
+            elif slot.registered:
+                dst.copy_(t, non_blocking=True)
+                devices.add(t.device)
+            else:  # pageable: a device copy into it would crawl; pinned, then memcpy
+                pinned = self._pinned.get(name)
+                if pinned is None or pinned.shape != t.shape or pinned.dtype != t.dtype:
+                    pinned = self._pinned[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                pinned.copy_(t, non_blocking=True)
+                torch.cuda.current_stream(t.device).synchronize()
+                dst.copy_(pinned)
+        for device in devices:
+            torch.cuda.synchronize(device)
+        return total
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self.slots:
+                slot.release()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# --- the reader ----------------------------------------------------------------------
+
+
+def parse(uri: str) -> tuple[Path, int, int, bytes, str, str]:
+    """(path, step, seq, token, node, fallback) of an shm URI; a clear error for others."""
+    parts = urlsplit(uri)
+    query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+    try:
+        step, seq, token = int(query["step"]), int(query["seq"]), bytes.fromhex(query["token"])
+    except (KeyError, ValueError) as exc:
+        raise WeightError(
+            f"weights at {uri!r}: not shm://<path>?step=<t>&seq=<n>&token=<hex>&node=<host> ({exc})"
+        ) from exc
+    if parts.scheme != "shm" or not parts.path or seq % 2 or len(token) != 16:
+        raise WeightError(f"weights at {uri!r}: not shm://<path>?step=<t>&seq=<even>&token=<32 hex>")
+    return Path(parts.path), step, seq, token, query.get("node", ""), query.get("fallback", "")
+
+
+class _Mapped:
+    """A reader's mapping of a slot file, kept between syncs (and page-locked once)."""
+
+    def __init__(self, path: Path, device: Any) -> None:
+        import torch
+
+        with path.open("rb") as f:
+            self.inode = os.fstat(f.fileno()).st_ino
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():  # read-only: only ever copied from
+            warnings.simplefilter("ignore", UserWarning)
+            self.view = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.registered = device is not None and device.type == "cuda" and register(self.view, True)
+
+
+_MAPPED: dict[Path, _Mapped] = {}
+_MAPPED_LOCK = threading.Lock()
+KEEP_MAPPED = 4
+
+
+def _mapping(path: Path, device: Any) -> _Mapped | None:
+    """The process's mapping of ``path``: None when the file is not there."""
+    try:
+        inode = path.stat().st_ino
+    except FileNotFoundError:
+        return None
+    with _MAPPED_LOCK:
+        held = _MAPPED.get(path)
+        if held is None or held.inode != inode:
+            held = _MAPPED[path] = _Mapped(path, device)
+            while len(_MAPPED) > KEEP_MAPPED:  # the oldest (a file since replaced)
+                _MAPPED.pop(next(iter(_MAPPED)))
+        return held
+
+
+def receive_shm(uri: str, sources: dict[str, str], device: Any = None) -> Iterator[tuple[str, Any]]:
+    """The tensors of the slot at ``uri`` that the engine does not hold yet, copied out of
+    the mapping (onto ``device`` when it is a GPU), handed on only once the fence shows
+    the slot unchanged since the URI was published. On another node (the file is not
+    there, or is another sender's) the URI's ``fallback`` is read instead, if it has one."""
+    path, step, seq, token, node, fallback = parse(uri)
+    held = _mapping(path, device)
+    if held is None or read_header(held.map)[4] != token:
+        if fallback:
+            from rollstream.shared.transports import receive
+
+            log.info("weights: %s is not on this node (%s): reading %s", uri, node_name(), fallback)
+            return receive(fallback, sources)
+        raise WeightError(
+            f"weights at {uri!r}: no such shared-memory file here (the trainer is on node {node!r}, "
+            f"this engine on {node_name()!r}; or the trainer has moved on or stopped): engines on "
+            "other nodes need weights.kind 'file' (a shared directory), 'collective' or 'auto'"
+        )
+    return iter(_read(uri, held, step, seq, sources, device))
+
+
+def _read(
+    uri: str, held: _Mapped, step: int, seq: int, sources: dict[str, str], device: Any
+) -> list[tuple[str, Any]]:
+    import torch
+
+    def check(when: str) -> None:
+        now, at, _, _, _ = read_header(held.map)
+        if now != seq or at != step:
+            state = "being written" if now % 2 else "holds a later step"
+            raise WeightError(
+                f"weights at {uri!r}: the slot {state} {when} (fence {now}, step {at}; the URI's "
+                f"{seq}, step {step}): a later sync is out, or the trainer stopped mid-write"
+            )
+
+    check("before reading")
+    _, _, offset, length, token = read_header(held.map)
+    index = orjson.loads(held.map[offset : offset + length])
+    if index.get("format") != 1 or index.get("seq") != seq:
+        raise WeightError(
+            f"weights at {uri!r}: an index of format {index.get('format')!r}, seq {index.get('seq')}"
+        )
+    gpu = device is not None and device.type == "cuda"
+    out: list[tuple[str, Any]] = []
+    seen: dict[str, str] = {}
+    for name, (at, nbytes, dtype, shape, version) in index["tensors"].items():
+        source = f"shm:{token.hex()}:{version}"
+        seen[name] = source
+        if sources.get(name) == source:
+            continue
+        kind = getattr(torch, dtype)
+        flat = held.view[at : at + nbytes]
+        view = flat.view(kind).view(shape) if nbytes else torch.empty(shape, dtype=kind)
+        copy = torch.empty(shape, dtype=kind, device=device if gpu else "cpu")
+        copy.copy_(view, non_blocking=gpu and held.registered)
+        out.append((name, copy))
+    if gpu:
+        torch.cuda.synchronize(device)
+    check("after reading")  # only now is what was copied known whole
+    sources.update(seen)
+    return out
