@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_decode import RESULTS, table
-from weight_transports import SIZES, measure
+from weight_transports import measure
 
 WAYS = ["file shm", "file shm changed", "shm", "shm changed"]
 
@@ -62,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--size", default="small", help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--size", default="small", help="comma-separated: tiny, small, 0.5b")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=5)

@@ -201,6 +201,14 @@ class Slot:
 # --- CUDA page-locking ---------------------------------------------------------------
 
 
+def _cudart() -> Any:
+    """torch's bindings of the CUDA runtime (untyped)."""
+    import torch
+
+    cuda: Any = torch.cuda
+    return cuda.cudart()
+
+
 def register(view: Any, read_only: bool) -> bool:
     """Page-lock a mapping (a uint8 tensor over it) for DMA; False where CUDA cannot."""
     import torch
@@ -209,7 +217,7 @@ def register(view: Any, read_only: bool) -> bool:
         return False
     try:
         flags = CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
-        code = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), flags)
+        code = _cudart().cudaHostRegister(view.data_ptr(), view.numel(), flags)
     except (RuntimeError, AttributeError) as exc:
         log.info("weights: cudaHostRegister unavailable (%s): shm copies through pageable memory", exc)
         return False
@@ -220,10 +228,8 @@ def register(view: Any, read_only: bool) -> bool:
 
 
 def unregister(view: Any) -> None:
-    import torch
-
     try:
-        torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+        _cudart().cudaHostUnregister(view.data_ptr())
     except (RuntimeError, AttributeError) as exc:
         log.debug("weights: cudaHostUnregister: %s", exc)
 
