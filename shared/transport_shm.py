@@ -411,24 +411,38 @@ class _Mapped:
             self.view = torch.frombuffer(self.map, dtype=torch.uint8)
         self.registered = device is not None and device.type == "cuda" and register(self.view, True)
 
+    def current(self, path: Path) -> bool:
+        """Whether ``path`` is still this mapping's file (not removed, not replaced)."""
+        try:
+            return path.stat().st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def release(self) -> None:
+        """Unregistered; the mapping itself closes with its last user (a reader in
+        another thread may still be copying from it)."""
+        if self.registered:
+            unregister(self.view)
+            self.registered = False
+
 
 _MAPPED: dict[Path, _Mapped] = {}
 _MAPPED_LOCK = threading.Lock()
-KEEP_MAPPED = 4
 
 
 def _mapping(path: Path, device: Any) -> _Mapped | None:
-    """The process's mapping of ``path``: None when the file is not there."""
-    try:
-        inode = path.stat().st_ino
-    except FileNotFoundError:
-        return None
+    """The process's mapping of ``path``: None when the file is not there. Mappings of
+    files since removed or replaced are let go here: a removed tmpfs file's memory is
+    freed only once nobody maps it."""
     with _MAPPED_LOCK:
+        for other in [p for p, held in _MAPPED.items() if not held.current(p)]:
+            _MAPPED.pop(other).release()
         held = _MAPPED.get(path)
-        if held is None or held.inode != inode:
-            held = _MAPPED[path] = _Mapped(path, device)
-            while len(_MAPPED) > KEEP_MAPPED:  # the oldest (a file since replaced)
-                _MAPPED.pop(next(iter(_MAPPED)))
+        if held is None:
+            try:
+                held = _MAPPED[path] = _Mapped(path, device)
+            except FileNotFoundError:
+                return None
         return held
 
 

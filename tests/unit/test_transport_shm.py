@@ -316,3 +316,16 @@ def test_the_auto_sender_follows_the_engines(tmp_path: Path) -> None:
         assert all(torch.equal(got[n], t) for n, t in sent.items())
     finally:
         sender.close()
+
+
+def test_a_reader_lets_go_of_files_the_trainer_removed(sender: ShmSender) -> None:
+    from rollstream.shared import transport_shm
+
+    uri = sender.send(1, tensors())
+    dict(receive(uri, {}))
+    path = parse(uri)[0]
+    assert path in transport_shm._MAPPED
+    sender.close()  # the files go
+    with pytest.raises(WeightError, match="no such shared-memory file"):
+        dict(receive(uri, {}))
+    assert path not in transport_shm._MAPPED  # its memory is not held by this process
