@@ -42,7 +42,7 @@ import mmap
 import os
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -110,6 +110,10 @@ class TransportSettings(BaseModel):
     )
 
 
+# (name, shape, dtype) -> a tensor of that shape to copy it into (any dtype), or None
+Into = Callable[[str, tuple[int, ...], Any], Any]
+
+
 class WeightError(Exception):
     """Weights that cannot be sent or read (named with their URI)."""
 
@@ -146,9 +150,13 @@ def sender_for(
     return FileSender(settings, settings.dir or out_dir, config_files or {})
 
 
-def receive(uri: str, sources: dict[str, str] | None = None, device: Any = None) -> Iterator[tuple[str, Any]]:
+def receive(
+    uri: str, sources: dict[str, str] | None = None, device: Any = None, into: Into | None = None
+) -> Iterator[tuple[str, Any]]:
     """The tensors at ``uri``, on the CPU (``device``: a GPU the engine holds its weights
-    on, which a transport may copy onto straight from its memory: shm). ``sources``: the
+    on, which a transport may copy onto straight from its memory: shm; ``into``: where a
+    transport that must copy may put a tensor, e.g. an engine's buffers reused from sync
+    to sync, in its own dtype: shm). ``sources``: the
     engine's record of where each of its tensors was last read from (updated here); a
     tensor whose source has not changed since is skipped (a step that changed only some
     tensors costs only those).
@@ -166,7 +174,7 @@ def receive(uri: str, sources: dict[str, str] | None = None, device: Any = None)
     if scheme == "shm":
         from rollstream.shared.transport_shm import receive_shm
 
-        return receive_shm(uri, sources, device)
+        return receive_shm(uri, sources, device, into)
     if scheme in ("", "file"):
         return receive_file(uri, sources)
     raise WeightError(

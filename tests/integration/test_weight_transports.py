@@ -210,3 +210,28 @@ def test_a_half_written_shm_slot_is_never_loaded(tmp_path: Path) -> None:
     finally:
         engine.stop()
         sender.close()
+
+
+def test_shm_syncs_reuse_the_engines_buffers_and_convert_into_its_dtype(tmp_path: Path) -> None:
+    """A bfloat16 engine of a float32 trainer over shm: each tensor is copied out of the
+    shared memory into a buffer of the engine's kept from sync to sync (converted on the
+    way), and the engine's weights are the trainer's rounded to bfloat16 after each sync."""
+    directory = save_model(tmp_path / "model", seed=1)
+    trainer = load_model(directory)
+    sender = sender_for(TransportSettings(kind="shm"), str(tmp_path), run="staging")
+    engine = HFEngine(HFEngineSettings(model=str(directory), dtype="bfloat16"))
+    try:
+        addresses = []
+        for step in (1, 2, 3):
+            train_step(trainer, step)
+            asyncio.run(engine.update_weights(step, sender.send(step, unique_tensors(trainer.state_dict()))))
+            theirs = trainer.state_dict()
+            for name, mine in engine.model.state_dict().items():
+                assert torch.equal(mine, theirs[name].to(torch.bfloat16)), name
+            assert {t.dtype for t in engine._staging.values()} == {torch.bfloat16}
+            addresses.append({n: t.data_ptr() for n, t in engine._staging.items()})
+        assert addresses[0] and addresses[0] == addresses[1] == addresses[2]
+        assert not engine._staging_busy
+    finally:
+        engine.stop()
+        sender.close()
