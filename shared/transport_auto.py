@@ -11,9 +11,10 @@ engine that moves, or that the trainer has not heard of, still loads the step.
 
 The order, best first:
 
-  ipc         CUDA IPC, engine on the trainer's own GPU: device -> device. Not built
-              yet: chosen never; ``ipc_capability`` says whether it could be, and why
-              not, so the log names what is missing.
+  ipc         CUDA IPC, every engine on the trainer's own GPU: device -> device
+              (shared/transport_ipc.py: written without a GPU, unmeasured). Chosen only
+              when the placements name the same GPU and CUDA is there;
+              ``ipc_capability`` says why not, so the log names what is missing.
   shm         engines on the trainer's node (shared/transport_shm.py)
   file        engines elsewhere, ``weights.dir`` set (a directory they share)
   collective  engines elsewhere, no shared directory (a gloo broadcast)
@@ -51,10 +52,10 @@ class Choice:
     reason: str
 
 
-def ipc_capability(trainer: Placement, engine: Placement, built: bool = False) -> tuple[bool, str]:
+def ipc_capability(trainer: Placement, engine: Placement, built: bool = True) -> tuple[bool, str]:
     """Whether an engine could map the trainer's tensors by CUDA IPC handle, and why not."""
     if not built:
-        return False, "the CUDA IPC transport is not built yet"
+        return False, "CUDA IPC is turned off"
     if not trainer.device.startswith("cuda") or not engine.device.startswith("cuda"):
         return False, f"not both on a GPU (trainer {trainer.device}, engine {engine.device})"
     if trainer.node != engine.node:
@@ -81,7 +82,7 @@ def choose(
     engines: list[Placement] | None,
     settings: TransportSettings,
     shm: bool,
-    ipc_built: bool = False,
+    ipc_built: bool = True,
 ) -> Choice:
     """The transport for the engines at ``engines`` (None: not known)."""
     remote = "file" if settings.dir else "collective"
@@ -148,6 +149,10 @@ class AutoSender:
         from rollstream.shared.transports import sender_for
 
         sender = self._senders.get(kind)
+        if sender is None and kind == "ipc":  # shared memory's slots, a device twin, no host bytes
+            from rollstream.shared.transport_shm import ShmSender
+
+            sender = self._senders[kind] = ShmSender(self.settings, self.run, ipc=True, host=False)
         if sender is None:
             sender = sender_for(self.settings.model_copy(update={"kind": kind}), self.out_dir, self.run,
                                 self.config_files)  # fmt: skip
@@ -161,12 +166,12 @@ class AutoSender:
             log.info("weights: auto chose %s%s: %s", choice.kind,
                      f" (fallback {choice.fallback})" if choice.fallback else "", choice.reason)  # fmt: skip
             self.choice = choice
-        if choice.kind != "shm":
+        if choice.kind not in ("shm", "ipc"):
             return self._sender(choice.kind).send(step, tensors)
         fallback = self._sender(choice.fallback).send(step, tensors) if choice.fallback else ""
         from rollstream.shared.transport_shm import ShmSender
 
-        shm = self._sender("shm")
+        shm = self._sender(choice.kind)
         assert isinstance(shm, ShmSender)
         return shm.send(step, tensors, fallback=fallback)
 

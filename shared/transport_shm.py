@@ -266,7 +266,17 @@ def safe_run(run: str) -> str:
 class ShmSender:
     """Writes each send into the slot the previous send did not use."""
 
-    def __init__(self, settings: TransportSettings, run: str = "", root: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        settings: TransportSettings,
+        run: str = "",
+        root: str | Path | None = None,
+        ipc: bool = False,
+        host: bool = True,
+    ) -> None:
+        """``ipc``: also a device twin of each slot that engines on the trainer's GPU map by
+        CUDA IPC handle (shared/transport_ipc.py; unmeasured); ``host`` False: no host bytes
+        then (every engine on that GPU), where the twin can be shared."""
         import torch
 
         base = Path(root) if root is not None else SHM / ROOT
@@ -291,6 +301,9 @@ class ShmSender:
         self._sends = 0
         self._pinned: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.ipc, self.host = ipc, host
+        self._twins: Any = None
+        self._ipc_why = ""
         self.last: dict[str, Any] = {}  # what the last send did (written, bytes, slot)
 
     def _versions(self, tensors: Mapping[str, Any]) -> dict[str, int]:
@@ -326,16 +339,19 @@ class ShmSender:
             ]
             slot = self.slots[self._sends % 2]
             slot.fit(specs, self.cuda)
+            twin, handle = self._twin(slot, prepared)
             write = [n for n in prepared if slot.versions.get(n) != versions[n]]
             slot.begin()
-            written = self._copy(slot, {n: prepared[n] for n in write})
+            written = self._copy(slot, {n: prepared[n] for n in write}, twin, host=twin is None or self.host)
             slot.versions = {n: versions[n] for n in prepared}
-            index = {
+            index: dict[str, Any] = {
                 "format": 1,
                 "step": step,
                 "seq": slot.seq + 1,
                 "tensors": {n: [*slot.offsets[n], d, list(s), versions[n]] for n, d, s, _ in specs},
             }
+            if twin is not None:
+                index["ipc"], index["host"] = handle, self.host
             seq = slot.end(step, orjson.dumps(index))
             self.last = {"written": len(write), "bytes": written, "slot": slot.index, "seq": seq}
             query = {"step": step, "seq": seq, "token": self.token.hex(), "node": self.node}
@@ -343,9 +359,31 @@ class ShmSender:
                 query["fallback"] = fallback
             return f"shm://{slot.path}?{urlencode(query)}"
 
-    def _copy(self, slot: Slot, tensors: Mapping[str, Any]) -> int:
+    def _twin(self, slot: Slot, tensors: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The slot's device twin and its handle, where IPC is asked for and possible; a
+        twin that is new (a new layout) takes every tensor again."""
+        if not self.ipc:
+            return None, {}
+        from rollstream.shared import transport_ipc
+
+        device, why = transport_ipc.sender_capability(tensors)
+        if device is None:
+            if why != self._ipc_why:
+                log.info("weights: no CUDA IPC (%s): engines read the shared memory", why)
+                self._ipc_why = why
+            return None, {}
+        if self._twins is None:
+            self._twins = transport_ipc.Twins()
+        before = self._twins.buffers.get(slot.index)
+        twin, handle = self._twins.get(slot.index, slot.index_at, device)
+        if twin is not before:
+            slot.versions = {}
+        return twin, handle
+
+    def _copy(self, slot: Slot, tensors: Mapping[str, Any], twin: Any = None, host: bool = True) -> int:
         """Each tensor's bytes into the slot: device tensors by non-blocking copies (into
-        the registered mapping, else through pinned buffers), one synchronisation."""
+        the registered mapping, else through pinned buffers), and into the device twin
+        (``twin``: device -> device), one synchronisation."""
         import torch
 
         total = 0
@@ -355,6 +393,12 @@ class ShmSender:
             total += nbytes
             if not nbytes:
                 continue
+            if twin is not None:
+                twin[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+                if t.device.type == "cuda":
+                    devices.add(t.device)
+                if not host:
+                    continue
             dst = slot.view[offset : offset + nbytes].view(t.dtype).view(t.shape)
             if t.device.type == "cpu":
                 dst.copy_(t)
@@ -493,6 +537,19 @@ def _read(
             f"weights at {uri!r}: an index of format {index.get('format')!r}, seq {index.get('seq')}"
         )
     gpu = device is not None and device.type == "cuda"
+    source_view = held.view
+    registered = held.registered
+    if "ipc" in index:  # the trainer shares a device twin (shared/transport_ipc.py)
+        from rollstream.shared import transport_ipc
+
+        usable, why = transport_ipc.reader_capability(index["ipc"], device)
+        if usable:
+            source_view, registered = transport_ipc.open_twin(index["ipc"], device), True
+        elif not index.get("host", True):
+            raise WeightError(
+                f"weights at {uri!r}: only on the trainer's GPU (CUDA IPC), and this engine cannot "
+                f"map it: {why}"
+            )
     out: list[tuple[str, Any]] = []
     seen: dict[str, str] = {}
     for name, (at, nbytes, dtype, shape, version) in index["tensors"].items():
@@ -501,12 +558,12 @@ def _read(
         if sources.get(name) == source:
             continue
         kind = getattr(torch, dtype)
-        flat = held.view[at : at + nbytes]
+        flat = source_view[at : at + nbytes]
         view = flat.view(kind).view(shape) if nbytes else torch.empty(shape, dtype=kind)
         copy = into(name, tuple(shape), kind) if into is not None else None
         if copy is None:
             copy = torch.empty(shape, dtype=kind, device=device if gpu else "cpu")
-        copy.copy_(view, non_blocking=gpu and held.registered)
+        copy.copy_(view, non_blocking=gpu and registered)
         out.append((name, copy))
     if gpu:
         torch.cuda.synchronize(device)

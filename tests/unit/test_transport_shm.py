@@ -213,7 +213,7 @@ tensors = {f"t{i}": torch.full((256, 256), float(i)) for i in range(8)}
 print(sender.send(1, tensors), flush=True)
 print(sender.send(2, tensors), flush=True)
 copy = sender._copy
-def halfway(slot, todo):
+def halfway(slot, todo, *args, **kwargs):
     names = list(todo)
     copy(slot, {n: todo[n] for n in names[: len(names) // 2]})
     print("halfway", flush=True)
@@ -278,24 +278,75 @@ def test_auto_without_tmpfs_or_knowledge_of_the_engines() -> None:
     assert (reachable.kind, reachable.fallback) == ("shm", "collective")
 
 
-def test_ipc_is_chosen_only_where_it_is_built_and_the_gpu_is_the_same() -> None:
+def test_ipc_is_chosen_only_for_the_same_gpu_where_cuda_is() -> None:
     same = Placement("node-a", "cuda:0")
-    ok, why = ipc_capability(HERE, same)
-    assert not ok and "not built" in why
-    assert choose(HERE, [same], TransportSettings(), True).kind == "shm"  # the fallback
+    ok, why = ipc_capability(HERE, same, built=False)
+    assert not ok and "turned off" in why
     cases = [
         (Placement("node-a", "cpu"), "not both on a GPU"),
         (Placement("node-b", "cuda:0"), "other nodes"),
         (Placement("node-a", "cuda:1"), "other GPUs"),
     ]
     for engine, why in cases:
-        ok, reason = ipc_capability(HERE, engine, built=True)
+        ok, reason = ipc_capability(HERE, engine)
         assert not ok and why in reason
-    ok, reason = ipc_capability(HERE, same, built=True)  # then what CUDA here says
+        assert choose(HERE, [engine, same], TransportSettings(), True).kind != "ipc"
+    ok, reason = ipc_capability(HERE, same)  # then what CUDA here says
     assert ok == torch.cuda.is_available()
+    expected = "ipc" if ok else "shm"  # without CUDA: the shared memory, saying why
+    assert choose(HERE, [same], TransportSettings(), True).kind == expected
     if not ok:
         assert "CUDA is not available" in reason
-        assert choose(HERE, [same], TransportSettings(), True, ipc_built=True).kind == "shm"
+
+
+def test_an_ipc_sender_without_gpu_tensors_writes_the_shared_memory(tmp_path: Path) -> None:
+    sender = ShmSender(TransportSettings(kind="shm"), run="ipc", root=tmp_path / "shm", ipc=True, host=False)
+    try:
+        sent = tensors()
+        uri = sender.send(1, sent)
+        assert "not all on a GPU" in sender._ipc_why
+        got = dict(receive(uri, {}))
+        assert all(torch.equal(got[n], t) for n, t in sent.items())
+    finally:
+        sender.close()
+
+
+def test_a_reader_that_cannot_map_the_trainers_gpu_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index that names a device twin: a reader not on that GPU reads the host bytes
+    when there are some, and fails naming why when the trainer wrote none."""
+    from rollstream.shared import transport_ipc
+
+    assert "shares no GPU buffer" in transport_ipc.reader_capability(None, None)[1]
+    assert "not on a GPU" in transport_ipc.reader_capability({"uuid": "GPU-x"}, torch.device("cpu"))[1]
+    if not torch.cuda.is_available():
+        assert (
+            "CUDA is not available"
+            in transport_ipc.reader_capability({"uuid": "x"}, torch.device("cuda:0"))[1]
+        )
+    # a twin faked in host memory: the sender's side of it runs without a GPU
+    monkeypatch.setattr(transport_ipc, "sender_capability", lambda t: (torch.device("cpu"), "faked"))
+
+    def fake(self: Any, slot: int, size: int, device: Any) -> tuple[Any, dict[str, Any]]:
+        return torch.zeros(size, dtype=torch.uint8), {"uuid": "GPU-x"}
+
+    monkeypatch.setattr(transport_ipc.Twins, "get", fake)
+    sent = tensors()
+    for host in (True, False):
+        sender = ShmSender(
+            TransportSettings(kind="shm"), run=f"ipc{host}", root=tmp_path / "s", ipc=True, host=host
+        )
+        try:
+            uri = sender.send(1, sent)
+            if host:
+                got = dict(receive(uri, {}))
+                assert all(torch.equal(got[n], t) for n, t in sent.items())
+            else:
+                with pytest.raises(WeightError, match=r"only on the trainer's GPU .* not on a GPU"):
+                    dict(receive(uri, {}, device=torch.device("cpu")))
+        finally:
+            sender.close()
 
 
 def test_the_auto_sender_follows_the_engines(tmp_path: Path) -> None:
