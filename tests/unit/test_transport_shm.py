@@ -17,17 +17,9 @@ from tests.helpers import require
 
 torch = require("torch", "hf")
 
+from rollstream.shared.shm_slot import DATA_AT, HEADER, plan, read_header
 from rollstream.shared.transport_auto import AutoSender, Placement, choose, ipc_capability
-from rollstream.shared.transport_shm import (
-    DATA_AT,
-    HEADER,
-    ShmSender,
-    parse,
-    plan,
-    read_header,
-    receive_shm,
-    sweep,
-)
+from rollstream.shared.transport_shm import ShmSender, parse, receive_shm, sweep
 from rollstream.shared.transports import TransportSettings, WeightError, receive
 
 
