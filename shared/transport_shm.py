@@ -48,6 +48,7 @@ import shutil
 import socket
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,9 @@ class ShmSender:
             log.info("weights: removed %s, left by a trainer that is gone", gone)
         self.directory = base / f"{self.run}-{os.getpid()}-{secrets.token_hex(4)}"
         self.directory.mkdir(mode=0o700)
+        # gone with the sender, or at the interpreter's exit, when nobody called close (a
+        # trainer that never closes its sender); sweep is for a process killed outright
+        self._remove = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
         self.settings = settings
         self.token = secrets.token_bytes(16)
         self.node = node_name()
@@ -253,7 +257,7 @@ class ShmSender:
         with self._lock:
             for slot in self.slots:
                 slot.release()
-            shutil.rmtree(self.directory, ignore_errors=True)
+            self._remove()
 
 
 # --- the reader ----------------------------------------------------------------------

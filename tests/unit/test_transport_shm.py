@@ -372,3 +372,18 @@ def test_a_reader_lets_go_of_files_the_trainer_removed(sender: ShmSender) -> Non
     with pytest.raises(WeightError, match="no such shared-memory file"):
         dict(receive(uri, {}))
     assert path not in transport_shm._MAPPED  # its memory is not held by this process
+
+
+def test_a_sender_never_closed_removes_its_files_when_its_process_exits(tmp_path: Path) -> None:
+    code = (
+        "import sys, torch\n"
+        "from rollstream.shared.transport_shm import ShmSender\n"
+        "from rollstream.shared.transports import TransportSettings\n"
+        "s = ShmSender(TransportSettings(kind='shm'), run='exit', root=sys.argv[1])\n"
+        "s.send(1, {'a': torch.ones(10)})\n"
+        "print(s.directory, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "shm")],
+                          capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    directory = Path(done.stdout.strip())
+    assert directory.parent == tmp_path / "shm" and not directory.exists()
