@@ -11,7 +11,8 @@ the others' figures), each writing one JSON line:
               GPU in bfloat16 (--size, ~0.5B), and on the CPU (--cpu-size)
   transports  every weight transport for that random model (bench/weight_transports.py)
               against the pinned device -> host -> device copy of its bytes (on a CPU:
-              a host memcpy); ray only where Ray is installed
+              a host memcpy), the shm transport's included (goal on one node: <= 1.5x
+              the pinned copy); ray only where Ray is installed
   learning    the reverse-task demo (the hf engine sampling, PolicyGradient training,
               weights through the file transport every step) until the trailing mean
               reward reaches 0.9 or --learn-steps: on CUDA and on the CPU beside it
@@ -241,6 +242,10 @@ def table(report: dict[str, Any]) -> str:
             rows.append(["transports", f"{key} {name}: send + load (x anchor)",
                          f"{w['send_s']:.3f} + {w['load_s']:.3f} s ({w['over_anchor']:.1f}x)"
                          + ("" if w["exact"] else " NOT EXACT")])  # fmt: skip
+        if "shm" in r["ways"] and "file shm" in r["ways"]:
+            shm, file = r["ways"]["shm"], r["ways"]["file shm"]
+            rows.append(["transports", f"{key} shm: x anchor (goal <= 1.5), x file shm",
+                         f"{shm['over_anchor']:.2f}, {shm['total_s'] / file['total_s']:.2f}"])  # fmt: skip
     for key, r in report.get("learning", {}).items():
         if key == "part_seconds":
             continue

@@ -7,6 +7,8 @@ bytes; on a GPU a pinned device -> host -> device copy):
   file disk             the file transport on a disk folder (4 shards written in parallel)
   file shm              the same on /dev/shm (tmpfs: trainer and engines on one node)
   file shm changed      the same, a step that changed half of the tensors (changed_only)
+  shm                   a shared-memory buffer on /dev/shm (page-locked on CUDA), double-buffered
+  shm changed           the same, a step that changed half of the tensors (changed_only)
   collective            a gloo broadcast from the trainer over a group formed per fetch
   ray                   buckets in Ray's object store (when Ray is installed and --ray)
 
@@ -96,11 +98,15 @@ def same(engine: Any, trainer: Any) -> bool:
     return all(torch.equal(mine[k], theirs[k].to(mine[k].dtype).to(mine[k].device)) for k in mine)
 
 
-def measure(size: str, device: str, dtype: str, repeats: int, use_ray: bool, work: Path) -> dict[str, Any]:
+def measure(
+    size: str, device: str, dtype: str, repeats: int, use_ray: bool, work: Path, only: list[str] | None = None
+) -> dict[str, Any]:
+    """Every way (or those named in ``only``) for the random model of ``size``."""
     from transformers import AutoModelForCausalLM
 
     from rollstream.producer.engines.hf import HFEngine
     from rollstream.shared.engine_settings import HFEngineSettings
+    from rollstream.shared.transport_auto import shm_available
     from rollstream.shared.transports import TransportSettings, sender_for, unique_tensors
 
     directory = random_model(work / f"model-{size}", SIZES[size])
@@ -124,6 +130,11 @@ def measure(size: str, device: str, dtype: str, repeats: int, use_ray: bool, wor
     ways["collective"] = ("collective", {"bucket_mb": 256}, 1.0)
     if use_ray:
         ways["ray"] = ("ray", {"bucket_mb": 256}, 1.0)
+    if shm_available():
+        ways["shm"] = ("shm", {}, 1.0)
+        ways["shm changed"] = ("shm", {"changed_only": True}, 0.5)
+    if only is not None:
+        ways = {k: v for k, v in ways.items() if k in only}
     rows: dict[str, Any] = {}
     step = 0
 
@@ -138,7 +149,7 @@ def measure(size: str, device: str, dtype: str, repeats: int, use_ray: bool, wor
     from safetensors.torch import save_model
 
     sends, loads = [], []
-    for r in range(repeats):
+    for r in range(repeats if only is None or "safetensors (today)" in only else 0):
         perturb(trainer, 1.0, r)
         path = work / "today" / f"step-{r}"
         path.mkdir(parents=True, exist_ok=True)
@@ -147,9 +158,10 @@ def measure(size: str, device: str, dtype: str, repeats: int, use_ray: bool, wor
         sends.append(time.perf_counter() - started)
         loads.append(load(str(path)))
         shutil.rmtree(path)
-    rows["safetensors (today)"] = summary(
-        sends, loads, total, result["anchor"]["seconds"], same(engine, trainer)
-    )
+    if sends:
+        rows["safetensors (today)"] = summary(
+            sends, loads, total, result["anchor"]["seconds"], same(engine, trainer)
+        )
     for name, (kind, options, fraction) in ways.items():
         settings = TransportSettings(kind=kind, keep=2, **options)  # type: ignore[arg-type]
         sender = sender_for(settings, str(work / "out"), run="bench")
@@ -168,8 +180,12 @@ def measure(size: str, device: str, dtype: str, repeats: int, use_ray: bool, wor
                 exact = exact and same(engine, trainer)
         finally:
             sender.close()
-            if kind == "file":
-                shutil.rmtree(settings.dir, ignore_errors=True)
+            if kind == "file":  # the folder and the temporary one shm() made for it
+                parent = Path(settings.dir).parent
+                shutil.rmtree(parent if parent.name.startswith("rollstream-bench-") else settings.dir,
+                              ignore_errors=True)  # fmt: skip
+            del sender
+            gc.collect()
         rows[name] = summary(sends, loads, total, result["anchor"]["seconds"], exact)
         gc.collect()
     engine.stop()
@@ -177,7 +193,8 @@ def measure(size: str, device: str, dtype: str, repeats: int, use_ray: bool, wor
     fastest = min(rows, key=lambda k: rows[k]["total_s"])
     result["fastest"] = fastest
     result["fastest_over_anchor"] = rows[fastest]["over_anchor"]
-    result["today_over_fastest"] = rows["safetensors (today)"]["total_s"] / rows[fastest]["total_s"]
+    if "safetensors (today)" in rows:
+        result["today_over_fastest"] = rows["safetensors (today)"]["total_s"] / rows[fastest]["total_s"]
     return result
 
 

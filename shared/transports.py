@@ -7,6 +7,11 @@ engine. The weight-sync event (docs/stream-format.md §5.3) names the step and, 
                                               (shared/transport_ray.py)
     collective://<host>:<port>/<key>          collective: a gloo broadcast from the trainer
                                               (shared/transport_collective.py)
+    shm:///dev/shm/...?step=&seq=&token=      shm: a shared-memory file on the trainer's node
+                                              (shared/transport_shm.py)
+
+``weights.kind = "auto"`` picks one of them from where the engines are
+(shared/transport_auto.py).
 
 A trainer sends with ``sender_for(settings).send(step, tensors)`` and publishes the
 URI it returns; an engine reads with ``receive(uri, names)``, which yields
@@ -37,7 +42,7 @@ import mmap
 import os
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -73,8 +78,10 @@ class TransportSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    kind: Literal["file", "ray", "collective"] = Field(
-        default="file", description="file (a directory), ray (object store), collective (gloo broadcast)"
+    kind: Literal["file", "ray", "collective", "shm", "auto"] = Field(
+        default="file",
+        description="file (a directory), ray (object store), collective (gloo broadcast), shm (shared "
+        "memory: engines on the trainer's node), auto (shm where it can, else file or collective)",
     )
     dir: str = Field(
         default="",
@@ -103,6 +110,10 @@ class TransportSettings(BaseModel):
     )
 
 
+# (name, shape, dtype) -> a tensor of that shape to copy it into (any dtype), or None
+Into = Callable[[str, tuple[int, ...], Any], Any]
+
+
 class WeightError(Exception):
     """Weights that cannot be sent or read (named with their URI)."""
 
@@ -128,13 +139,27 @@ def sender_for(
         from rollstream.shared.transport_collective import CollectiveSender
 
         return CollectiveSender(settings)
+    if settings.kind == "shm":
+        from rollstream.shared.transport_shm import ShmSender
+
+        return ShmSender(settings, run)
+    if settings.kind == "auto":
+        from rollstream.shared.transport_auto import AutoSender
+
+        return AutoSender(settings, out_dir, run, config_files or {})
     return FileSender(settings, settings.dir or out_dir, config_files or {})
 
 
-def receive(uri: str, sources: dict[str, str] | None = None) -> Iterator[tuple[str, Any]]:
-    """The tensors at ``uri``, on the CPU. ``sources``: the engine's record of where each
-    of its tensors was last read from (updated here); a tensor whose source has not
-    changed since is skipped (a step that changed only some tensors costs only those).
+def receive(
+    uri: str, sources: dict[str, str] | None = None, device: Any = None, into: Into | None = None
+) -> Iterator[tuple[str, Any]]:
+    """The tensors at ``uri``, on the CPU (``device``: a GPU the engine holds its weights
+    on, which a transport may copy onto straight from its memory: shm; ``into``: where a
+    transport that must copy may put a tensor, e.g. an engine's buffers reused from sync
+    to sync, in its own dtype: shm). ``sources``: the
+    engine's record of where each of its tensors was last read from (updated here); a
+    tensor whose source has not changed since is skipped (a step that changed only some
+    tensors costs only those).
     An engine that starts, or loads from elsewhere, passes an empty one."""
     sources = {} if sources is None else sources
     scheme = urlsplit(uri).scheme
@@ -146,9 +171,15 @@ def receive(uri: str, sources: dict[str, str] | None = None) -> Iterator[tuple[s
         from rollstream.shared.transport_collective import receive_collective
 
         return receive_collective(uri, sources)
+    if scheme == "shm":
+        from rollstream.shared.transport_shm import receive_shm
+
+        return receive_shm(uri, sources, device, into)
     if scheme in ("", "file"):
         return receive_file(uri, sources)
-    raise WeightError(f"weights at {uri!r}: no transport for the scheme {scheme!r} (file, ray, collective)")
+    raise WeightError(
+        f"weights at {uri!r}: no transport for the scheme {scheme!r} (file, ray, collective, shm)"
+    )
 
 
 def unique_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:

@@ -111,6 +111,10 @@ class HFEngine:
         self._sources: dict[str, str] = {}  # where each tensor was last read from (transports)
         # the loaded weights of the layers a LoRA adapter has come for (hf_weights.merge_adapters)
         self._lora_base: dict[str, torch.Tensor] = {}
+        # buffers a shared-memory transport copies new weights into, reused from sync to sync
+        # (fresh ones faulted every page in again: ~3x the load); one sync uses them at a time
+        self._staging: dict[str, torch.Tensor] = {}
+        self._staging_busy = False
         self._requests: dict[str, _Request] = {}
         self._started = time.monotonic()
         self._busy_s = 0.0  # in forward passes, since the start: health's busy_total
@@ -198,21 +202,27 @@ class HFEngine:
         ``model_step``."""
         state: dict[str, torch.Tensor] = {}
         sources = self._sources
-        if path:
-            state, sources = await asyncio.to_thread(
-                hf_weights.read_weights, path, sources, self._params, self._lora_base
-            )
+        staging = None if self._staging_busy else self._staging
+        self._staging_busy = True
+        try:
+            if path:
+                state, sources = await asyncio.to_thread(
+                    hf_weights.read_weights, path, sources, self._params, self._lora_base, staging
+                )
 
-        def apply() -> None:
-            with torch.no_grad():
-                for name, tensor in state.items():
-                    self._params[name].copy_(tensor, non_blocking=True)
-                if state and self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            self._sources = sources
-            self.model_step = model_step
+            def apply() -> None:
+                with torch.no_grad():
+                    for name, tensor in state.items():
+                        self._params[name].copy_(tensor, non_blocking=True)
+                    if state and self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                self._sources = sources
+                self.model_step = model_step
 
-        await self._call(apply)
+            await self._call(apply)
+        finally:
+            if staging is not None:
+                self._staging_busy = False
 
     async def health(self) -> EngineHealth:
         running = 0 if self.paused else len(self._requests)

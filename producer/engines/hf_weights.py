@@ -15,15 +15,29 @@ def read_weights(
     sources: dict[str, str],
     params: dict[str, torch.Tensor],
     lora_base: dict[str, torch.Tensor] | None = None,
+    staging: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors at ``uri`` (a transport's, or a directory of safetensors), checked
     against the model's ``params`` before anything is copied, and where each tensor was
     last read from: ``sources`` with this read's, a copy (a transport reads it to send
     only what changed). A LoRA adapter among them is merged (``merge_adapters``) into
-    the weights ``lora_base`` keeps."""
+    the weights ``lora_base`` keeps. ``staging``: the engine's buffers (by name, shaped and
+    typed as its parameters) that a transport which copies out of shared memory copies
+    into, kept from sync to sync; the caller must not read with the same ``staging``
+    twice at once."""
     try:
         sources = dict(sources)
-        state = dict(receive(uri, sources))
+        device = next(iter(params.values())).device if params else None
+
+        def into(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+            param = params.get(name)
+            if staging is None or param is None or tuple(param.shape) != shape:
+                return None
+            if name not in staging:
+                staging[name] = torch.empty_like(param)
+            return staging[name]
+
+        state = dict(receive(uri, sources, device=device, into=into))
     except EngineError:
         raise
     except Exception as exc:  # a transport's failure, named with its URI

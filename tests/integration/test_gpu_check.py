@@ -44,6 +44,9 @@ def test_the_gpu_check_runs_clean_on_a_cpu(tmp_path: Path) -> None:
     ways = report["transports"]["cpu:tiny"]["ways"]
     assert {"safetensors (today)", "file disk", "file shm", "file shm changed", "collective"} <= set(ways)
     assert all(w["exact"] for w in ways.values()), ways
+    from rollstream.shared.transport_auto import shm_available
+
+    assert ({"shm", "shm changed"} <= set(ways)) == shm_available()
     learning = report["learning"]["cpu"]
     assert learning["steps"] == 3 and learning["seconds"] > 0
     assert ("cuda" in report["learning"]) == gpu

@@ -51,10 +51,14 @@ def base_weights(policy: PolicyGradient) -> dict[str, Any]:
     return {k: v.clone() for k, v in policy.model.get_base_model().state_dict().items() if "lora_" not in k}
 
 
-@pytest.mark.parametrize("transport", ["file", "step-directory"])
+@pytest.mark.parametrize("transport", ["file", "shm", "step-directory"])
 def test_the_engine_computes_what_the_trainers_adapter_does(tmp_path: Path, transport: str) -> None:
     model_dir = save_model(tmp_path / "model", seed=3)
-    weights = TransportSettings(kind="file", dir=str(tmp_path / "sent")) if transport == "file" else None
+    weights = (
+        TransportSettings(kind=transport, dir=str(tmp_path / "sent"))  # type: ignore[arg-type]
+        if transport != "step-directory"
+        else None
+    )
     policy = PolicyGradient(str(model_dir), str(tmp_path / "out"), lr=1e-2, algorithm=LORA, weights=weights)
     before = base_weights(policy)
     engine = HFEngine(HFEngineSettings(model=str(model_dir)))
@@ -65,6 +69,10 @@ def test_the_engine_computes_what_the_trainers_adapter_does(tmp_path: Path, tran
         assert sorted({k.rsplit(".", 1)[-1] for k in sent}) == ["lora_A", "lora_B"]
         assert len(sent) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
         uri = policy.save(step)
+        if transport == "shm":  # the shared buffer holds the adapter's bytes, nothing more
+            shm: Any = policy._sender
+            moved = shm.last["bytes"]
+            assert moved == sum(t.numel() * t.element_size() for t in sent.values())
         asyncio.run(engine.update_weights(step, uri))
         policy.model.eval()
         assert torch.allclose(logits(engine.model), logits(policy.model), atol=1e-5)
@@ -113,7 +121,7 @@ def test_the_trained_policy_is_a_directory_anyone_loads(tmp_path: Path) -> None:
     train_a_step(policy, seed=2)  # the policy still trains: the merge was a copy's
 
 
-@pytest.mark.parametrize("transport", ["file", "step-directory"])
+@pytest.mark.parametrize("transport", ["file", "shm", "step-directory"])
 def test_the_vllm_workers_merge_makes_the_trainers_adapted_model(tmp_path: Path, transport: str) -> None:
     """What a vLLM engine's workers load for an adapter-only sync (vllm_worker.py, run here
     without vLLM; tests/integration/test_engine_vllm.py runs it in vLLM): the whole model
@@ -124,7 +132,11 @@ def test_the_vllm_workers_merge_makes_the_trainers_adapted_model(tmp_path: Path,
     from rollstream.producer.engines.vllm_worker import published_weights
 
     model_dir = save_model(tmp_path / "model", seed=3)
-    weights = TransportSettings(kind="file", dir=str(tmp_path / "sent")) if transport == "file" else None
+    weights = (
+        TransportSettings(kind=transport, dir=str(tmp_path / "sent"))  # type: ignore[arg-type]
+        if transport != "step-directory"
+        else None
+    )
     policy = PolicyGradient(str(model_dir), str(tmp_path / "out"), lr=1e-2, algorithm=LORA, weights=weights)
     engine: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for step in (1, 2):

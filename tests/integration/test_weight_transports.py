@@ -51,7 +51,7 @@ def assert_same_weights(engine: HFEngine, trainer: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", ["drain", "abort", "partial"])
-@pytest.mark.parametrize("kind", ["file", "ray", "collective"])
+@pytest.mark.parametrize("kind", ["file", "ray", "collective", "shm", "auto"])
 def test_engine_weights_equal_the_trainers_after_every_sync(
     kind: str, mode: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -157,7 +157,7 @@ def test_a_step_sent_again_is_a_full_set(tmp_path: Path) -> None:
     sender.close()
 
 
-@pytest.mark.parametrize("kind", ["file", "collective"])
+@pytest.mark.parametrize("kind", ["file", "collective", "shm"])
 def test_weights_sent_in_the_engines_dtype(kind: str, tmp_path: Path) -> None:
     """weights.dtype = bfloat16: a float32 trainer sends half the bytes, and a bfloat16
     engine holds exactly the trainer's weights rounded to bfloat16."""
@@ -169,13 +169,69 @@ def test_weights_sent_in_the_engines_dtype(kind: str, tmp_path: Path) -> None:
     try:
         train_step(trainer, 1)
         uri = sender.send(1, unique_tensors(trainer.state_dict()))
-        if kind == "file":
+        if kind in ("file", "shm"):
             sent = dict(receive(uri))
             assert {t.dtype for t in sent.values()} == {torch.bfloat16}
         asyncio.run(engine.update_weights(1, uri))
         theirs = trainer.state_dict()
         for name, mine in engine.model.state_dict().items():
             assert torch.equal(mine, theirs[name].to(torch.bfloat16)), name
+    finally:
+        engine.stop()
+        sender.close()
+
+
+def test_a_half_written_shm_slot_is_never_loaded(tmp_path: Path) -> None:
+    """A trainer stopped between the fence's two writes (killed mid-copy): the engine's
+    sync of that slot fails naming the URI, and the engine keeps the weights it had, equal
+    to the trainer's last whole step; the next whole step loads."""
+    from rollstream.producer.engines.base import EngineError
+    from rollstream.shared.transport_shm import ShmSender
+
+    directory = save_model(tmp_path / "model", seed=1)
+    trainer = load_model(directory)
+    sender = sender_for(TransportSettings(kind="shm", changed_only=True), str(tmp_path), run="torn")
+    assert isinstance(sender, ShmSender)
+    engine = HFEngine(HFEngineSettings(model=str(directory)))
+    try:
+        train_step(trainer, 1)
+        first = sender.send(1, unique_tensors(trainer.state_dict()))
+        train_step(trainer, 2)
+        asyncio.run(engine.update_weights(2, sender.send(2, unique_tensors(trainer.state_dict()))))
+        slot = next(s for s in sender.slots if str(s.path) in first)
+        slot.begin()  # step 3 starts into step 1's slot and never ends
+        with pytest.raises(EngineError, match="being written"):
+            asyncio.run(engine.update_weights(3, first))
+        assert engine.model_step == 2
+        assert_same_weights(engine, trainer)
+        train_step(trainer, 3)
+        asyncio.run(engine.update_weights(3, sender.send(3, unique_tensors(trainer.state_dict()))))
+        assert_same_weights(engine, trainer)
+    finally:
+        engine.stop()
+        sender.close()
+
+
+def test_shm_syncs_reuse_the_engines_buffers_and_convert_into_its_dtype(tmp_path: Path) -> None:
+    """A bfloat16 engine of a float32 trainer over shm: each tensor is copied out of the
+    shared memory into a buffer of the engine's kept from sync to sync (converted on the
+    way), and the engine's weights are the trainer's rounded to bfloat16 after each sync."""
+    directory = save_model(tmp_path / "model", seed=1)
+    trainer = load_model(directory)
+    sender = sender_for(TransportSettings(kind="shm"), str(tmp_path), run="staging")
+    engine = HFEngine(HFEngineSettings(model=str(directory), dtype="bfloat16"))
+    try:
+        addresses = []
+        for step in (1, 2, 3):
+            train_step(trainer, step)
+            asyncio.run(engine.update_weights(step, sender.send(step, unique_tensors(trainer.state_dict()))))
+            theirs = trainer.state_dict()
+            for name, mine in engine.model.state_dict().items():
+                assert torch.equal(mine, theirs[name].to(torch.bfloat16)), name
+            assert {t.dtype for t in engine._staging.values()} == {torch.bfloat16}
+            addresses.append({n: t.data_ptr() for n, t in engine._staging.items()})
+        assert addresses[0] and addresses[0] == addresses[1] == addresses[2]
+        assert not engine._staging_busy
     finally:
         engine.stop()
         sender.close()
