@@ -268,16 +268,7 @@ class Hosts:
     def _claim(self) -> None:
         """A free prefix (its lock taken) and a subnet that overlaps nothing of the
         machine's; leftovers of every prefix that no live harness holds are removed."""
-        self.lock_dir.mkdir(parents=True, exist_ok=True)
-        leftovers = {p for p in (_instance(ns) for ns in _netns_list()) if p}
-        for link in json.loads(_ip("-j", "link", "show", check=False) or "[]"):
-            if p := _instance(link.get("ifname", "")):
-                leftovers.add(p)
-        for prefix in sorted(leftovers):
-            lock = self._try_lock(prefix)
-            if lock is not None:  # its harness is gone: what it left is removed
-                _remove(prefix)
-                lock.close()
+        remove_leftovers(self.lock_dir)
         used = _used_networks()
         for k in range(MAX_INSTANCES):
             subnet = ipaddress.IPv4Network(f"10.231.{k}.0/24")
@@ -292,13 +283,7 @@ class Hosts:
         raise HostsUnavailable("no free subnet 10.231.<k>.0/24 for emulated hosts")
 
     def _try_lock(self, prefix: str) -> IO[bytes] | None:
-        handle = (self.lock_dir / f"{prefix}.lock").open("ab")  # not inherited by children
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            return None
-        return handle
+        return _try_lock(self.lock_dir, prefix)
 
     def _build(self) -> None:
         assert self.subnet is not None
@@ -479,6 +464,30 @@ class Hosts:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
+
+
+def _try_lock(lock_dir: Path, prefix: str) -> IO[bytes] | None:
+    """The lock of ``prefix`` (held while its harness lives), or None when another holds it."""
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    handle = (lock_dir / f"{prefix}.lock").open("ab")  # not inherited by children
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+def remove_leftovers(lock_dir: Path = LOCK_DIR) -> list[str]:
+    """What harnesses that are gone left (their prefix's lock free): removed; by name."""
+    prefixes = {p for p in (_instance(name) for name in leftovers()) if p}
+    removed: list[str] = []
+    for prefix in sorted(prefixes):
+        lock = _try_lock(lock_dir, prefix)
+        if lock is not None:  # its harness is gone
+            removed += _remove(prefix)
+            lock.close()
+    return removed
 
 
 def leftovers() -> list[str]:
