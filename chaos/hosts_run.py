@@ -1,0 +1,458 @@
+"""A run laid out like a cluster on emulated hosts (chaos/hosts.py), with host crashes and
+network partitions, and the chaos suite's account of every prompt (chaos/report.py).
+
+    python -m chaos.hosts_run --scenario crash_producer_host
+    python -m chaos.hosts_run --scenario partition_primary            # the recommended settings
+    python -m chaos.hosts_run --scenario partition_primary --unsafe   # without them: measured
+    python -m chaos.hosts_run --all                                   # every scenario (make hosts-chaos)
+
+The hosts and what runs on each, with deploy/'s commands and environment (the systemd
+units' ExecStart and rollstream.env, deploy/redis-ha.sh for Redis), each process bound
+to its host's address:
+
+    r1, r2, r3   a Redis data node and a Sentinel each (redis-ha.sh data / sentinel; r1 is
+                 FIRST, the primary on the first start); quorum 2
+    head         the Ray head (no CPUs for work), the engines process, the feeder, producer b
+    gpu          a Ray worker node offering `rollout`: the 2 simulated engines
+    prod         a Ray node with nothing to offer (a Ray driver needs one on its host), producer a
+    train        the reference trainer (no Ray)
+
+Every process is restarted 0.5 s after it exits, as systemd's Restart= would; a crashed
+host's processes are restarted once the host is back. The recommended settings for Redis
+with failover: the trainer's commit WAITs for a replica (``redis.wait_replicas = 1``, the
+default with a ``redis+sentinel://`` URL) and the data nodes refuse writes without a
+replica in sync (``min-replicas-to-write 1``, ``min-replicas-max-lag 10``: deploy/redis.conf).
+``--unsafe`` runs without both.
+
+Scenarios (one fault each, once the run has trained FAULT_STEP steps):
+
+- crash_producer_host: host ``prod`` crashes (every process at once), back after 10 s;
+- partition_primary: the Redis primary's host is cut off from the other two Redis hosts
+  (the replicas and the Sentinels' majority) for 20 s while every client still reaches
+  it: the majority fails it over, the clients go on writing to the old primary (its own
+  Sentinel still names it), then the heal.
+
+Each scenario writes report.json (the account, the faults, the recovery time: from the
+fault to the next step trained on the primary the majority names) and the processes'
+logs to --out/<scenario>[-unsafe]/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from chaos.constants import CLAIM_IDLE_MS, ROOT, TASK
+from chaos.hosts import Hosts
+from chaos.report import account
+from chaos.supervisor import Chaos, Child
+from rollstream.shared.embedded import find_redis_server
+from rollstream.shared.events import STOP, RunControl
+
+HOSTS = ["r1", "r2", "r3", "head", "gpu", "prod", "train"]
+REDIS_HOSTS = ["r1", "r2", "r3"]
+SERVICE = "rollstream-redis"
+REDIS_PORT, SENTINEL_PORT, RAY_PORT = 6379, 26379, 6380
+DOWN_AFTER_MS = 5000  # redis-ha.sh's default
+FAULT_STEP = 5
+HOST_DOWN_S = 10.0
+PARTITION_S = 20.0
+SCENARIOS = ("crash_producer_host", "partition_primary")
+# the recommended settings for the data nodes (deploy/redis.conf has them)
+SAFE_CONF = "min-replicas-to-write 1\nmin-replicas-max-lag 10\n"
+UNSAFE_CONF = "min-replicas-to-write 0\n"
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+@dataclass
+class HostChild(Child):
+    """A supervised process on an emulated host: while its host is down there is nothing
+    to restart (``alive`` says so), and it is restarted once the host is back."""
+
+    host: str = ""
+    hosts: Hosts | None = None
+
+    @property
+    def alive(self) -> bool:
+        assert self.hosts is not None
+        if not self.hosts.hosts[self.host].up:
+            return True  # the machine is down: its process manager with it
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, env: dict[str, str]) -> None:
+        assert self.hosts is not None
+        with self.log.open("ab") as out:
+            self.proc = self.hosts.popen(self.host, self.argv(), env=env, cwd=ROOT, stdout=out,
+                                         stderr=subprocess.STDOUT)  # fmt: skip
+        self.exited_at = None
+
+
+@dataclass
+class HostsChaos(Chaos):
+    """The chaos supervisor (chaos/supervisor.py) over emulated hosts."""
+
+    scenario: str = SCENARIOS[0]
+    safe: bool = True
+    hosts: Hosts = field(default_factory=lambda: Hosts(HOSTS))
+    password: str = field(default_factory=lambda: secrets.token_hex(8))
+    ray_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    fault_at: float | None = None
+    fault_step: int | None = None
+    recovered_at: float | None = None
+    healed_at: float | None = None
+    primary_before: str | None = None
+    primary_after: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._primary: tuple[str, int] | None = None
+        self._direct: redis.Redis | None = None
+
+    # --- the layout ------------------------------------------------------------------
+
+    def sentinels(self) -> list[str]:
+        return [f"{self.hosts.address(h)}:{SENTINEL_PORT}" for h in REDIS_HOSTS]
+
+    def _env(self) -> dict[str, str]:
+        env = super()._env()
+        # no judge worker and no archiver here: fewer processes on 2 cores
+        env.update(ROLLSTREAM_PRODUCER__JUDGE_ON_QUEUE="false", ROLLSTREAM_ARCHIVE__KEEP="0")
+        env.pop("ROLLSTREAM_ARCHIVE__DIR", None)
+        env.pop("ROLLSTREAM_ARCHIVE__FLUSH_S", None)
+        env["ROLLSTREAM_ENGINES__RESOURCES"] = '{"rollout": 1}'  # rollstream.env
+        env.update(
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN=self.ray_token,
+            # a node that dies is declared dead within seconds, not Ray's default half minute
+            RAY_health_check_period_ms="1000",
+            RAY_health_check_failure_threshold="3",
+            RAY_health_check_timeout_ms="1000",
+        )
+        env["ROLLSTREAM_METRICS__PORT"] = "0"
+        env["ROLLSTREAM_REDIS__WAIT_REPLICAS"] = "1" if self.safe else "0"
+        return env
+
+    def start_hosts(self) -> None:
+        self.hosts.start()
+        self.url = (f"redis+sentinel://:{self.password}@{','.join(self.sentinels())}/{SERVICE}/0"
+                    f"?sentinel_password={self.password}")  # fmt: skip
+        self.env = self._env()
+        self.env["ROLLSTREAM_REDIS__URL"] = self.url
+        self.env["ROLLSTREAM_RAY__ADDRESS"] = f"{self.hosts.address('head')}:{RAY_PORT}"
+
+    def _redis_env(self, host: str) -> dict[str, str]:
+        folder = self.out / host
+        folder.mkdir(exist_ok=True)
+        conf = folder / "redis.conf"
+        if not conf.exists():  # each node its own copy (a Sentinel rewrites it)
+            conf.write_text((ROOT / "deploy" / "redis.conf").read_text() + (SAFE_CONF if self.safe else UNSAFE_CONF))
+        env = dict(self.env)
+        env.update(
+            SELF=self.hosts.address(host),
+            FIRST=f"{self.hosts.address('r1')}:{REDIS_PORT}",
+            SENTINELS=" ".join(self.sentinels()),
+            SERVICE=SERVICE,
+            REDIS_PASSWORD=self.password,
+            DATA=str(folder),
+            CONF=str(conf),
+            BIND=self.hosts.address(host),
+            DOWN_AFTER_MS=str(DOWN_AFTER_MS),
+            PATH=f"{Path(find_redis_server()).parent}{os.pathsep}{self.env['PATH']}",
+        )
+        return env
+
+    def children_spec(self) -> list[Child]:
+        rs = [sys.executable, "-m", "rollstream.cli.main"]
+        prompts = str(self.prompt_file())
+        head = self.hosts.address("head")
+        script = str(ROOT / "deploy" / "redis-ha.sh")
+
+        def ray_node(host: str, *args: str) -> Callable[[], list[str]]:
+            temp = self.out / f"ray-{host}"  # each host its own Ray folder (one file system here)
+            return lambda: [*RAY, "start", "--block", *args, "--node-ip-address", self.hosts.address(host),
+                            "--temp-dir", str(temp), "--object-store-memory", str(80 * 1024 * 1024),
+                            "--disable-usage-stats"]  # fmt: skip
+
+        specs: list[tuple[str, str, Callable[[], list[str]]]] = []
+        for host in REDIS_HOSTS:
+            specs.append((f"redis-{host}", host, lambda: ["sh", script, "data"]))
+            specs.append((f"sentinel-{host}", host, lambda: ["sh", script, "sentinel"]))
+        specs += [
+            # rollstream-ray-head.service; rollstream-ray-worker.service on the engines' host
+            ("ray-head", "head", ray_node("head", "--head", f"--port={RAY_PORT}", "--num-cpus=0",
+                                          "--include-dashboard=false")),  # fmt: skip
+            ("ray-gpu", "gpu", ray_node("gpu", f"--address={head}:{RAY_PORT}", "--num-cpus=1",
+                                        "--resources", '{"rollout": 4}')),  # fmt: skip
+            ("ray-prod", "prod", ray_node("prod", f"--address={head}:{RAY_PORT}", "--num-cpus=0")),
+            ("engines", "head", lambda: [*rs, "engines", "--foreground"]),
+            ("feeder", "head", lambda: [*rs, "feed", prompts, "--task", TASK, "--epochs", "1",
+                                        "--keep-ahead", "48", "--until-stopped"]),  # fmt: skip
+            ("producer-a", "prod", lambda: [*rs, "produce"]),
+            ("producer-b", "head", lambda: [*rs, "produce"]),
+            ("trainer", "train", self._trainer_argv),
+        ]
+        children: list[Child] = []
+        for name, host, argv in specs:
+            child = HostChild(name, argv, self.out / f"{name}.log", host=host, hosts=self.hosts)
+            children.append(child)
+        return children
+
+    def _env_for(self, child: Child) -> dict[str, str]:
+        assert isinstance(child, HostChild)
+        return self._redis_env(child.host) if child.name.startswith(("redis-", "sentinel-")) else self.env
+
+    # --- Redis, as the Sentinels' majority names it ----------------------------------
+
+    def primary(self) -> tuple[str, int] | None:
+        """The primary that at least two of the three Sentinels name (from the machine,
+        which reaches every host), or None."""
+        votes: dict[tuple[str, int], int] = {}
+        for sentinel in self.sentinels():
+            host, port = sentinel.rsplit(":", 1)
+            client = redis.Redis(host=host, port=int(port), password=self.password, socket_timeout=1,
+                                 socket_connect_timeout=1)  # fmt: skip
+            try:
+                answer: Any = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+                if answer:
+                    key = (answer[0].decode(), int(answer[1]))
+                    votes[key] = votes.get(key, 0) + 1
+            except redis.RedisError:
+                pass
+            finally:
+                client.close()
+        best = max(votes.items(), key=lambda kv: kv[1], default=None)
+        return best[0] if best and best[1] >= 2 else None
+
+    def client(self) -> redis.Redis:
+        """A client of the primary the Sentinels' majority names (followed at each call)."""
+        primary = self.primary() or self._primary
+        if primary is None:
+            raise redis.ConnectionError("no primary named by a majority of the Sentinels")
+        if primary != self._primary or self._direct is None:
+            if self._direct is not None:
+                self._direct.close()
+            self._direct = redis.Redis(host=primary[0], port=primary[1], password=self.password,
+                                       socket_timeout=5, socket_connect_timeout=2)  # fmt: skip
+            self._primary = primary
+        return self._direct
+
+    def host_of(self, address: str) -> str:
+        return next(h for h in self.hosts if self.hosts.address(h) == address)
+
+    # --- running ---------------------------------------------------------------------
+
+    def supervise(self, deadline_s: float) -> bool:
+        """Every process started (Redis first), restarted 0.5 s after it exits; the
+        scenario's fault once FAULT_STEP steps are trained; True when the trainer has
+        trained every step on the majority's primary, with no fault still going on."""
+        for child in self.children_spec():
+            self.children[child.name] = child
+        for name in [n for n in self.children if n.startswith(("redis-", "sentinel-"))]:
+            self.children[name].start(self._env_for(self.children[name]))
+        deadline = time.monotonic() + 120
+        while self.primary() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for child in self.children.values():
+            if child.proc is None:
+                child.start(self._env_for(child))
+        self.note("started", f"{len(self.children)} processes on {len(HOSTS)} hosts")
+        next_sample = time.monotonic()
+        while time.monotonic() - self.started < deadline_s:
+            now = time.monotonic()
+            with self.lock:
+                for child in self.children.values():
+                    if child.alive:
+                        continue
+                    if child.exited_at is None:
+                        child.exited_at = now
+                        if child.proc is not None:
+                            child.exits.append(child.proc.returncode)
+                            self.note("exit", f"{child.name} ({child.proc.returncode})")
+                    elif now - child.exited_at >= 0.5:  # RestartSec
+                        child.restarts += 1
+                        child.start(self._env_for(child))
+                        self.note("restart", child.name)
+            if now >= next_sample:
+                self._sample()
+                next_sample = now + 1.0
+            step = self._train_step()
+            if self.fault_at is None and step >= FAULT_STEP:
+                self.fault_step, self.fault_at = step, now
+                self.inject(self.scenario)
+            elif self.fault_at is not None and self.recovered_at is None and step > (self.fault_step or 0):
+                self.recovered_at = now
+                self.note("recovered", f"train step {step} on the majority's primary")
+            if step >= self.steps and (self.scenario != "partition_primary" or self.healed_at is not None):
+                self.note("done", f"train step {self.steps}")
+                return True
+            time.sleep(0.2)
+        return False
+
+    def inject(self, fault: str) -> None:
+        if fault == "crash_producer_host":
+            self.hosts.crash("prod")
+            self.note("host crash", "prod (producer a, its Ray node)")
+            threading.Timer(HOST_DOWN_S, self._boot, args=("prod",)).start()
+        elif fault == "partition_primary":
+            primary = self.primary()
+            assert primary is not None
+            host = self.host_of(primary[0])
+            self.primary_before = host
+            others = [h for h in REDIS_HOSTS if h != host]
+            self.hosts.isolate([host], others)
+            self.note("partition", f"{host} (the primary) from {', '.join(others)}; clients still reach it")
+            threading.Timer(PARTITION_S, self._heal).start()
+        else:
+            raise ValueError(f"no such scenario: {fault}")
+
+    def _boot(self, host: str) -> None:
+        with self.lock:
+            self.hosts.boot(host)
+            self.note("host up", host)
+
+    def _heal(self) -> None:
+        self.hosts.heal()
+        self.healed_at = time.monotonic()
+        self.note("heal", "every host reaches every other")
+
+    def _train_step(self) -> int:
+        try:
+            return RunControl(self.client(), self.keys).train_step()
+        except redis.RedisError:
+            return 0
+
+    # --- the end ---------------------------------------------------------------------
+
+    def settle(self, timeout_s: float = 60.0) -> bool:
+        """After the run: the Sentinels agree on one primary and every data node follows it
+        (the old primary a replica again), so that the account reads what survived."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            primary = self.primary()
+            if primary is not None:
+                roles = []
+                for host in REDIS_HOSTS:
+                    node = redis.Redis(host=self.hosts.address(host), port=REDIS_PORT, password=self.password,
+                                       socket_timeout=2, socket_connect_timeout=2)  # fmt: skip
+                    try:
+                        roles.append(node.info("replication").get("role"))
+                    except redis.RedisError:
+                        roles.append(None)
+                    finally:
+                        node.close()
+                if roles.count("master") == 1:
+                    self.primary_after = self.host_of(primary[0])
+                    return True
+            time.sleep(0.5)
+        return False
+
+    def stop(self) -> None:
+        """The run's stop event; the rollstream processes get 30 s to stop, the rest is
+        killed with its host at close."""
+        with contextlib.suppress(redis.RedisError):
+            RunControl(self.client(), self.keys).publish(STOP)
+        deadline = time.monotonic() + 30
+        for child in self.children.values():
+            if child.proc is None or child.name.startswith(("redis-", "sentinel-", "ray-")):
+                continue
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+
+    def shutdown_redis(self) -> None:
+        self.hosts.close()
+
+
+def run_scenario(scenario: str, safe: bool, out: Path, steps: int, deadline_s: float, seed: int) -> dict[str, Any]:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    chaos = HostsChaos(out, prompts=steps * 16, steps=steps, seconds_between_faults=0.0, faults=(scenario,),
+                       seed=seed, scenario=scenario, safe=safe)  # fmt: skip
+    try:
+        chaos.start_hosts()
+        finished = chaos.supervise(deadline_s)
+        if chaos.scenario == "partition_primary" and chaos.healed_at is None:
+            chaos.hosts.heal()
+        settled = chaos.settle()
+        chaos.stop()
+        result = account(chaos, finished)
+    finally:
+        chaos.stop()
+        chaos.shutdown_redis()
+    result.pop("archive", None)
+    t0 = chaos.fault_at
+    result.update(
+        scenario=scenario,
+        settings="recommended (redis.wait_replicas 1, min-replicas-to-write 1)" if safe
+        else "unsafe (redis.wait_replicas 0, min-replicas-to-write 0)",
+        settled=settled,
+        fault_at_step=chaos.fault_step,
+        recovery_s=round(chaos.recovered_at - t0, 1) if chaos.recovered_at and t0 else None,
+        primary_before=chaos.primary_before,
+        primary_after=chaos.primary_after,
+        exits={c.name: c.exits for c in chaos.children.values() if c.exits},
+        timeline=[(round(t, 1), kind, detail) for t, kind, detail in chaos.timeline],
+    )  # fmt: skip
+    (out / "report.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    return result
+
+
+def verdict(result: dict[str, Any], safe: bool) -> bool:
+    """With the recommended settings: finished, nothing lost, nothing trained twice after
+    a commit, every prompt in one row. Without them the run is measured, not judged."""
+    if not safe:
+        return True
+    rows_ok = sum(result["rows"].values()) == result["prompts"] > 0
+    return bool(result["finished"] and result["lost"] == 0 and result["trained_twice_both_committed"] == 0
+                and rows_ok and result["staleness_violations"] == 0)  # fmt: skip
+
+
+def summary(result: dict[str, Any]) -> str:
+    rows = ", ".join(f"{k} {v}" for k, v in sorted(result["rows"].items()))
+    return (f"{result['scenario']} [{result['settings']}]: finished {result['finished']}, "
+            f"{result['steps']} steps, recovery {result['recovery_s']} s, lost {result['lost']}, "
+            f"trained twice {result['trained_twice_both_committed']}; {rows}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=SCENARIOS, default=SCENARIOS[0])
+    parser.add_argument("--all", action="store_true", help="every scenario, and partition_primary --unsafe")
+    parser.add_argument("--unsafe", action="store_true", help="without the recommended settings")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--deadline", type=float, default=420.0, help="seconds per scenario")
+    parser.add_argument("--out", default="bench/results/hosts-chaos")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    runs = [(s, True) for s in SCENARIOS] + [("partition_primary", False)] if args.all else [
+        (args.scenario, not args.unsafe)]  # fmt: skip
+    results, ok = [], True
+    for scenario, safe in runs:
+        out = Path(args.out) / (scenario + ("" if safe else "-unsafe"))
+        result = run_scenario(scenario, safe, out, args.steps, args.deadline, args.seed)
+        results.append(result)
+        ok = verdict(result, safe) and ok
+        print(summary(result), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "summary.json").write_text(json.dumps([
+        {k: r[k] for k in ("scenario", "settings", "finished", "steps", "recovery_s", "lost",
+                           "trained_twice_both_committed", "rows", "prompts")} for r in results], indent=2))  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
