@@ -57,12 +57,13 @@ from typing import Any
 import orjson
 import redis
 
-from chaos.constants import CLAIM_IDLE_MS, ROOT, TASK
+from chaos.constants import ROOT, TASK
 from chaos.hosts import Hosts
-from chaos.report import account
+from chaos.report import _group_id, account
 from chaos.supervisor import Chaos, Child
 from rollstream.shared.embedded import find_redis_server
 from rollstream.shared.events import STOP, RunControl
+from rollstream.shared.keys import GROUPS, POOLS, Count, progress_field
 
 HOSTS = ["r1", "r2", "r3", "head", "gpu", "prod", "train"]
 REDIS_HOSTS = ["r1", "r2", "r3"]
@@ -97,8 +98,9 @@ class HostChild(Child):
     def start(self, env: dict[str, str]) -> None:
         assert self.hosts is not None
         with self.log.open("ab") as out:
-            self.proc = self.hosts.popen(self.host, self.argv(), env=env, cwd=ROOT, stdout=out,
-                                         stderr=subprocess.STDOUT)  # fmt: skip
+            self.proc = self.hosts.popen(
+                self.host, self.argv(), env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+            )
         self.exited_at = None
 
 
@@ -108,6 +110,7 @@ class HostsChaos(Chaos):
 
     scenario: str = SCENARIOS[0]
     safe: bool = True
+    step_time: float = 0.5
     hosts: Hosts = field(default_factory=lambda: Hosts(HOSTS))
     password: str = field(default_factory=lambda: secrets.token_hex(8))
     ray_token: str = field(default_factory=lambda: secrets.token_hex(16))
@@ -144,13 +147,16 @@ class HostsChaos(Chaos):
             RAY_health_check_timeout_ms="1000",
         )
         env["ROLLSTREAM_METRICS__PORT"] = "0"
-        env["ROLLSTREAM_REDIS__WAIT_REPLICAS"] = "1" if self.safe else "0"
+        if not self.safe:  # with the Sentinels' URL the default is 1
+            env["ROLLSTREAM_REDIS__WAIT_REPLICAS"] = "0"
         return env
 
     def start_hosts(self) -> None:
         self.hosts.start()
-        self.url = (f"redis+sentinel://:{self.password}@{','.join(self.sentinels())}/{SERVICE}/0"
-                    f"?sentinel_password={self.password}")  # fmt: skip
+        self.url = (
+            f"redis+sentinel://:{self.password}@{','.join(self.sentinels())}/{SERVICE}/0"
+            f"?sentinel_password={self.password}"
+        )
         self.env = self._env()
         self.env["ROLLSTREAM_REDIS__URL"] = self.url
         self.env["ROLLSTREAM_RAY__ADDRESS"] = f"{self.hosts.address('head')}:{RAY_PORT}"
@@ -160,7 +166,9 @@ class HostsChaos(Chaos):
         folder.mkdir(exist_ok=True)
         conf = folder / "redis.conf"
         if not conf.exists():  # each node its own copy (a Sentinel rewrites it)
-            conf.write_text((ROOT / "deploy" / "redis.conf").read_text() + (SAFE_CONF if self.safe else UNSAFE_CONF))
+            conf.write_text(
+                (ROOT / "deploy" / "redis.conf").read_text() + (SAFE_CONF if self.safe else UNSAFE_CONF)
+            )
         env = dict(self.env)
         env.update(
             SELF=self.hosts.address(host),
@@ -184,9 +192,19 @@ class HostsChaos(Chaos):
 
         def ray_node(host: str, *args: str) -> Callable[[], list[str]]:
             temp = self.out / f"ray-{host}"  # each host its own Ray folder (one file system here)
-            return lambda: [*RAY, "start", "--block", *args, "--node-ip-address", self.hosts.address(host),
-                            "--temp-dir", str(temp), "--object-store-memory", str(80 * 1024 * 1024),
-                            "--disable-usage-stats"]  # fmt: skip
+            return lambda: [
+                *RAY,
+                "start",
+                "--block",
+                *args,
+                "--node-ip-address",
+                self.hosts.address(host),
+                "--temp-dir",
+                str(temp),
+                "--object-store-memory",
+                str(80 * 1024 * 1024),
+                "--disable-usage-stats",
+            ]
 
         specs: list[tuple[str, str, Callable[[], list[str]]]] = []
         for host in REDIS_HOSTS:
@@ -194,14 +212,36 @@ class HostsChaos(Chaos):
             specs.append((f"sentinel-{host}", host, lambda: ["sh", script, "sentinel"]))
         specs += [
             # rollstream-ray-head.service; rollstream-ray-worker.service on the engines' host
-            ("ray-head", "head", ray_node("head", "--head", f"--port={RAY_PORT}", "--num-cpus=0",
-                                          "--include-dashboard=false")),  # fmt: skip
-            ("ray-gpu", "gpu", ray_node("gpu", f"--address={head}:{RAY_PORT}", "--num-cpus=1",
-                                        "--resources", '{"rollout": 4}')),  # fmt: skip
+            (
+                "ray-head",
+                "head",
+                ray_node("head", "--head", f"--port={RAY_PORT}", "--num-cpus=0", "--include-dashboard=false"),
+            ),
+            (
+                "ray-gpu",
+                "gpu",
+                ray_node(
+                    "gpu", f"--address={head}:{RAY_PORT}", "--num-cpus=1", "--resources", '{"rollout": 4}'
+                ),
+            ),
             ("ray-prod", "prod", ray_node("prod", f"--address={head}:{RAY_PORT}", "--num-cpus=0")),
             ("engines", "head", lambda: [*rs, "engines", "--foreground"]),
-            ("feeder", "head", lambda: [*rs, "feed", prompts, "--task", TASK, "--epochs", "1",
-                                        "--keep-ahead", "48", "--until-stopped"]),  # fmt: skip
+            (
+                "feeder",
+                "head",
+                lambda: [
+                    *rs,
+                    "feed",
+                    prompts,
+                    "--task",
+                    TASK,
+                    "--epochs",
+                    "1",
+                    "--keep-ahead",
+                    "48",
+                    "--until-stopped",
+                ],
+            ),
             ("producer-a", "prod", lambda: [*rs, "produce"]),
             ("producer-b", "head", lambda: [*rs, "produce"]),
             ("trainer", "train", self._trainer_argv),
@@ -211,6 +251,23 @@ class HostsChaos(Chaos):
             child = HostChild(name, argv, self.out / f"{name}.log", host=host, hosts=self.hosts)
             children.append(child)
         return children
+
+    def _trainer_argv(self) -> list[str]:
+        left = max(1, self.steps - self._train_step())
+        return [
+            sys.executable,
+            "-m",
+            "rollstream.cli.main",
+            "train",
+            "--steps",
+            str(left),
+            "--step-time",
+            str(self.step_time),
+            "--record",
+            str(self.record),
+            "--state-file",
+            str(self.out / "trainer.json"),
+        ]
 
     def _env_for(self, child: Child) -> dict[str, str]:
         assert isinstance(child, HostChild)
@@ -224,8 +281,9 @@ class HostsChaos(Chaos):
         votes: dict[tuple[str, int], int] = {}
         for sentinel in self.sentinels():
             host, port = sentinel.rsplit(":", 1)
-            client = redis.Redis(host=host, port=int(port), password=self.password, socket_timeout=1,
-                                 socket_connect_timeout=1)  # fmt: skip
+            client = redis.Redis(
+                host=host, port=int(port), password=self.password, socket_timeout=1, socket_connect_timeout=1
+            )
             try:
                 answer: Any = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
                 if answer:
@@ -246,8 +304,13 @@ class HostsChaos(Chaos):
         if primary != self._primary or self._direct is None:
             if self._direct is not None:
                 self._direct.close()
-            self._direct = redis.Redis(host=primary[0], port=primary[1], password=self.password,
-                                       socket_timeout=5, socket_connect_timeout=2)  # fmt: skip
+            self._direct = redis.Redis(
+                host=primary[0],
+                port=primary[1],
+                password=self.password,
+                socket_timeout=5,
+                socket_connect_timeout=2,
+            )
             self._primary = primary
         return self._direct
 
@@ -283,6 +346,8 @@ class HostsChaos(Chaos):
                         if child.proc is not None:
                             child.exits.append(child.proc.returncode)
                             self.note("exit", f"{child.name} ({child.proc.returncode})")
+                    if not self._restarts(child):
+                        continue
                     elif now - child.exited_at >= 0.5:  # RestartSec
                         child.restarts += 1
                         child.start(self._env_for(child))
@@ -295,13 +360,35 @@ class HostsChaos(Chaos):
                 self.fault_step, self.fault_at = step, now
                 self.inject(self.scenario)
             elif self.fault_at is not None and self.recovered_at is None and step > (self.fault_step or 0):
-                self.recovered_at = now
-                self.note("recovered", f"train step {step} on the majority's primary")
-            if step >= self.steps and (self.scenario != "partition_primary" or self.healed_at is not None):
+                # a step on the majority's primary; not one on a primary the majority has
+                # not yet failed over (cut off, its step may be lost)
+                cut_off = self.primary_before is not None and self.healed_at is None
+                if not (cut_off and self._primary and self.host_of(self._primary[0]) == self.primary_before):
+                    self.recovered_at = now
+                    self.note("recovered", f"train step {step} on the majority's primary")
+            faulted = self.scenario != "partition_primary" or self.healed_at is not None
+            if step >= self.steps and faulted:
                 self.note("done", f"train step {self.steps}")
                 return True
+            trainer = self.children["trainer"]
+            if faulted and not trainer.alive and trainer.exits and not self._restarts(trainer):
+                # the trainer stopped for good: exit 0 (it trained its steps, on a primary
+                # that may not have kept them), 5 (its record is ahead of Redis) or 2
+                self.note(
+                    "stopped",
+                    f"trainer (exit {trainer.exits[-1]}) at train step {step}: the run needs a manual step",
+                )
+                return False
             time.sleep(0.2)
         return False
+
+    @staticmethod
+    def _restarts(child: Child) -> bool:
+        """deploy/systemd's Restart=on-failure and RestartPreventExitStatus=2 5 (Redis's
+        own units: Restart=always)."""
+        if child.name.startswith(("redis-", "sentinel-")) or not child.exits:
+            return True
+        return child.exits[-1] not in (0, 2, 5)
 
     def inject(self, fault: str) -> None:
         if fault == "crash_producer_host":
@@ -347,8 +434,13 @@ class HostsChaos(Chaos):
             if primary is not None:
                 roles = []
                 for host in REDIS_HOSTS:
-                    node = redis.Redis(host=self.hosts.address(host), port=REDIS_PORT, password=self.password,
-                                       socket_timeout=2, socket_connect_timeout=2)  # fmt: skip
+                    node = redis.Redis(
+                        host=self.hosts.address(host),
+                        port=REDIS_PORT,
+                        password=self.password,
+                        socket_timeout=2,
+                        socket_connect_timeout=2,
+                    )
                     try:
                         roles.append(node.info("replication").get("role"))
                     except redis.RedisError:
@@ -377,19 +469,32 @@ class HostsChaos(Chaos):
         self.hosts.close()
 
 
-def run_scenario(scenario: str, safe: bool, out: Path, steps: int, deadline_s: float, seed: int) -> dict[str, Any]:
+def run_scenario(
+    scenario: str, safe: bool, out: Path, steps: int, deadline_s: float, seed: int, step_time: float = 0.5
+) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    chaos = HostsChaos(out, prompts=steps * 16, steps=steps, seconds_between_faults=0.0, faults=(scenario,),
-                       seed=seed, scenario=scenario, safe=safe)  # fmt: skip
+    chaos = HostsChaos(
+        out,
+        prompts=steps * 16,
+        steps=steps,
+        seconds_between_faults=0.0,
+        faults=(scenario,),
+        seed=seed,
+        scenario=scenario,
+        safe=safe,
+        step_time=step_time,
+    )
     try:
         chaos.start_hosts()
         finished = chaos.supervise(deadline_s)
         if chaos.scenario == "partition_primary" and chaos.healed_at is None:
             chaos.hosts.heal()
         settled = chaos.settle()
+        lost_commits = discarded(chaos)
         chaos.stop()
         result = account(chaos, finished)
+        result.update(lost_commits)
     finally:
         chaos.stop()
         chaos.shutdown_redis()
@@ -397,18 +502,62 @@ def run_scenario(scenario: str, safe: bool, out: Path, steps: int, deadline_s: f
     t0 = chaos.fault_at
     result.update(
         scenario=scenario,
-        settings="recommended (redis.wait_replicas 1, min-replicas-to-write 1)" if safe
+        settings="recommended (redis.wait_replicas 1, min-replicas-to-write 1)"
+        if safe
         else "unsafe (redis.wait_replicas 0, min-replicas-to-write 0)",
         settled=settled,
         fault_at_step=chaos.fault_step,
+        trainer_steps_done_lines=_count(out / "trainer.log", " steps done"),
+        run_lost_lines=_count(out / "trainer.log", "Redis lost its latest writes"),
         recovery_s=round(chaos.recovered_at - t0, 1) if chaos.recovered_at and t0 else None,
         primary_before=chaos.primary_before,
         primary_after=chaos.primary_after,
         exits={c.name: c.exits for c in chaos.children.values() if c.exits},
         timeline=[(round(t, 1), kind, detail) for t, kind, detail in chaos.timeline],
-    )  # fmt: skip
+    )
     (out / "report.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return result
+
+
+def discarded(chaos: HostsChaos) -> dict[str, int]:
+    """Commits that returned to the trainer (its record) and that the surviving primary does
+    not hold: groups it still has as waiting or pending, or prompts it never saw fed; and
+    the steps committed beyond its train_step. After a split brain these were trained on the
+    old primary and thrown away when it rejoined as a replica."""
+    client: Any = chaos.client()
+    final_step = RunControl(client, chaos.keys).train_step()
+    progress = {k.decode(): float(v) for k, v in client.hgetall(chaos.keys.progress).items()}
+    fed = int(progress.get(progress_field(TASK, Count.FED), 0))
+    waiting = set()
+    for kind in (*POOLS, GROUPS):
+        for _, fields in client.xrange(chaos.keys.stream(kind, TASK)):
+            if gid := _group_id(fields):
+                waiting.add(gid)
+    reads: dict[int, list[str]] = {}
+    committed: list[tuple[int, list[str]]] = []
+    if chaos.record.exists():
+        for line in chaos.record.read_bytes().splitlines():
+            with contextlib.suppress(ValueError):  # a line cut short by a host crash
+                entry = orjson.loads(line)
+                if entry["event"] == "read":
+                    reads[entry["step"]] = [g for g, _ in entry["groups"]]
+                else:
+                    committed.append((entry["step"], reads.pop(entry["step"], [])))
+    last = {g: step for step, groups in committed for g in groups}  # each group's last commit
+
+    def unknown(gid: str) -> bool:
+        uid = gid.split(":", 1)[-1].split("@")[0]
+        return gid in waiting or (uid.startswith("q") and uid[1:].isdigit() and int(uid[1:]) >= fed)
+
+    return {
+        "final_train_step": final_step,
+        "steps_committed_beyond_it": len({step for step, _ in committed if step > final_step}),
+        "groups_committed_then_discarded": sum(1 for g in last if unknown(g)),
+    }
+
+
+def _count(path: Path, text: str) -> int:
+    return path.read_text(errors="replace").count(text) if path.exists() else 0
 
 
 def verdict(result: dict[str, Any], safe: bool) -> bool:
@@ -417,15 +566,25 @@ def verdict(result: dict[str, Any], safe: bool) -> bool:
     if not safe:
         return True
     rows_ok = sum(result["rows"].values()) == result["prompts"] > 0
-    return bool(result["finished"] and result["lost"] == 0 and result["trained_twice_both_committed"] == 0
-                and rows_ok and result["staleness_violations"] == 0)  # fmt: skip
+    return bool(
+        result["finished"]
+        and result["lost"] == 0
+        and result["trained_twice_both_committed"] == 0
+        and result["groups_committed_then_discarded"] == 0
+        and rows_ok
+        and result["staleness_violations"] == 0
+    )
 
 
 def summary(result: dict[str, Any]) -> str:
     rows = ", ".join(f"{k} {v}" for k, v in sorted(result["rows"].items()))
-    return (f"{result['scenario']} [{result['settings']}]: finished {result['finished']}, "
-            f"{result['steps']} steps, recovery {result['recovery_s']} s, lost {result['lost']}, "
-            f"trained twice {result['trained_twice_both_committed']}; {rows}")  # fmt: skip
+    return (
+        f"{result['scenario']} [{result['settings']}]: finished {result['finished']}, "
+        f"{result['steps']} steps, recovery {result['recovery_s']} s, lost {result['lost']}, "
+        f"trained twice {result['trained_twice_both_committed']}, groups committed then discarded "
+        f"{result['groups_committed_then_discarded']} ({result['steps_committed_beyond_it']} steps "
+        f"beyond the surviving train step {result['final_train_step']}); {rows}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,24 +592,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=SCENARIOS, default=SCENARIOS[0])
     parser.add_argument("--all", action="store_true", help="every scenario, and partition_primary --unsafe")
     parser.add_argument("--unsafe", action="store_true", help="without the recommended settings")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--step-time", type=float, default=0.5, help="the trainer's seconds per step")
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds per scenario")
     parser.add_argument("--out", default="bench/results/hosts-chaos")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    runs = [(s, True) for s in SCENARIOS] + [("partition_primary", False)] if args.all else [
-        (args.scenario, not args.unsafe)]  # fmt: skip
+    runs = (
+        [(s, True) for s in SCENARIOS] + [("partition_primary", False)]
+        if args.all
+        else [(args.scenario, not args.unsafe)]
+    )
     results, ok = [], True
     for scenario, safe in runs:
         out = Path(args.out) / (scenario + ("" if safe else "-unsafe"))
-        result = run_scenario(scenario, safe, out, args.steps, args.deadline, args.seed)
+        result = run_scenario(scenario, safe, out, args.steps, args.deadline, args.seed, args.step_time)
         results.append(result)
         ok = verdict(result, safe) and ok
         print(summary(result), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "summary.json").write_text(json.dumps([
-        {k: r[k] for k in ("scenario", "settings", "finished", "steps", "recovery_s", "lost",
-                           "trained_twice_both_committed", "rows", "prompts")} for r in results], indent=2))  # fmt: skip
+    (Path(args.out) / "summary.json").write_text(
+        json.dumps(
+            [
+                {
+                    k: r[k]
+                    for k in (
+                        "scenario",
+                        "settings",
+                        "finished",
+                        "steps",
+                        "recovery_s",
+                        "lost",
+                        "trained_twice_both_committed",
+                        "groups_committed_then_discarded",
+                        "steps_committed_beyond_it",
+                        "rows",
+                        "prompts",
+                    )
+                }
+                for r in results
+            ],
+            indent=2,
+        )
+    )
     return 0 if ok else 1
 
 
