@@ -21,7 +21,7 @@ Every process is restarted 0.5 s after it exits, as systemd's Restart= would; a 
 host's processes are restarted once the host is back. The recommended settings for Redis
 with failover: the trainer's commit WAITs for a replica (``redis.wait_replicas = 1``, the
 default with a ``redis+sentinel://`` URL) and the data nodes refuse writes without a
-replica in sync (``min-replicas-to-write 1``, ``min-replicas-max-lag 10``: deploy/redis.conf).
+replica in sync (``min-replicas-to-write 1``, ``min-replicas-max-lag 10``: redis-ha.sh's defaults).
 ``--unsafe`` runs without both.
 
 Scenarios (one fault each, once the run has trained FAULT_STEP steps):
@@ -74,9 +74,6 @@ FAULT_STEP = 5
 HOST_DOWN_S = 10.0
 PARTITION_S = 20.0
 SCENARIOS = ("crash_producer_host", "partition_primary")
-# the recommended settings for the data nodes (deploy/redis.conf has them)
-SAFE_CONF = "min-replicas-to-write 1\nmin-replicas-max-lag 10\n"
-UNSAFE_CONF = "min-replicas-to-write 0\n"
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 
 
@@ -166,9 +163,7 @@ class HostsChaos(Chaos):
         folder.mkdir(exist_ok=True)
         conf = folder / "redis.conf"
         if not conf.exists():  # each node its own copy (a Sentinel rewrites it)
-            conf.write_text(
-                (ROOT / "deploy" / "redis.conf").read_text() + (SAFE_CONF if self.safe else UNSAFE_CONF)
-            )
+            conf.write_text((ROOT / "deploy" / "redis.conf").read_text())
         env = dict(self.env)
         env.update(
             SELF=self.hosts.address(host),
@@ -182,6 +177,8 @@ class HostsChaos(Chaos):
             DOWN_AFTER_MS=str(DOWN_AFTER_MS),
             PATH=f"{Path(find_redis_server()).parent}{os.pathsep}{self.env['PATH']}",
         )
+        if not self.safe:  # redis-ha.sh's default is 1
+            env["MIN_REPLICAS_TO_WRITE"] = "0"
         return env
 
     def children_spec(self) -> list[Child]:
