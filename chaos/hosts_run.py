@@ -47,6 +47,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -120,6 +121,8 @@ class HostsChaos(Chaos):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._timers: list[threading.Timer] = []
+        self.ray_dir = Path(tempfile.mkdtemp(prefix="rsray-"))
         self._primary: tuple[str, int] | None = None
         self._direct: redis.Redis | None = None
 
@@ -188,7 +191,8 @@ class HostsChaos(Chaos):
         script = str(ROOT / "deploy" / "redis-ha.sh")
 
         def ray_node(host: str, *args: str) -> Callable[[], list[str]]:
-            temp = self.out / f"ray-{host}"  # each host its own Ray folder (one file system here)
+            # each host its own Ray folder (one file system here), short: Ray's sockets are in it
+            temp = self.ray_dir / host
             return lambda: [
                 *RAY,
                 "start",
@@ -363,7 +367,7 @@ class HostsChaos(Chaos):
                 if not (cut_off and self._primary and self.host_of(self._primary[0]) == self.primary_before):
                     self.recovered_at = now
                     self.note("recovered", f"train step {step} on the majority's primary")
-            faulted = self.scenario != "partition_primary" or self.healed_at is not None
+            faulted = self.healed_at is not None  # the fault is over: healed, or the host back
             if step >= self.steps and faulted:
                 self.note("done", f"train step {self.steps}")
                 return True
@@ -391,7 +395,7 @@ class HostsChaos(Chaos):
         if fault == "crash_producer_host":
             self.hosts.crash("prod")
             self.note("host crash", "prod (producer a, its Ray node)")
-            threading.Timer(HOST_DOWN_S, self._boot, args=("prod",)).start()
+            self._later(HOST_DOWN_S, lambda: self._boot("prod"))
         elif fault == "partition_primary":
             primary = self.primary()
             assert primary is not None
@@ -400,13 +404,19 @@ class HostsChaos(Chaos):
             others = [h for h in REDIS_HOSTS if h != host]
             self.hosts.isolate([host], others)
             self.note("partition", f"{host} (the primary) from {', '.join(others)}; clients still reach it")
-            threading.Timer(PARTITION_S, self._heal).start()
+            self._later(PARTITION_S, self._heal)
         else:
             raise ValueError(f"no such scenario: {fault}")
+
+    def _later(self, seconds: float, what: Callable[[], None]) -> None:
+        timer = threading.Timer(seconds, what)
+        self._timers.append(timer)
+        timer.start()
 
     def _boot(self, host: str) -> None:
         with self.lock:
             self.hosts.boot(host)
+            self.healed_at = time.monotonic()
             self.note("host up", host)
 
     def _heal(self) -> None:
@@ -463,7 +473,12 @@ class HostsChaos(Chaos):
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
 
     def shutdown_redis(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+            if timer is not threading.current_thread():
+                timer.join()
         self.hosts.close()
+        shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
 def run_scenario(
@@ -485,7 +500,7 @@ def run_scenario(
     try:
         chaos.start_hosts()
         finished = chaos.supervise(deadline_s)
-        if chaos.scenario == "partition_primary" and chaos.healed_at is None:
+        if chaos.healed_at is None:
             chaos.hosts.heal()
         settled = chaos.settle()
         lost_commits = discarded(chaos)
@@ -602,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results, ok = [], True
     for scenario, safe in runs:
-        out = Path(args.out) / (scenario + ("" if safe else "-unsafe"))
+        out = Path(args.out).resolve() / (scenario + ("" if safe else "-unsafe"))
         result = run_scenario(scenario, safe, out, args.steps, args.deadline, args.seed, args.step_time)
         results.append(result)
         ok = verdict(result, safe) and ok
