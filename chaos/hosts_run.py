@@ -64,7 +64,7 @@ from chaos.report import _group_id, account
 from chaos.supervisor import Chaos, Child
 from rollstream.shared.embedded import find_redis_server
 from rollstream.shared.events import STOP, RunControl
-from rollstream.shared.keys import GROUPS, POOLS, Count, progress_field
+from rollstream.shared.keys import GROUPS, POOLS, PRODUCERS, Count, progress_field
 
 HOSTS = ["r1", "r2", "r3", "head", "gpu", "prod", "train"]
 REDIS_HOSTS = ["r1", "r2", "r3"]
@@ -118,6 +118,7 @@ class HostsChaos(Chaos):
     healed_at: float | None = None
     primary_before: str | None = None
     primary_after: str | None = None
+    held_at_crash: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -393,6 +394,7 @@ class HostsChaos(Chaos):
 
     def inject(self, fault: str) -> None:
         if fault == "crash_producer_host":
+            self.held_at_crash = self._held_by("-prod-")
             self.hosts.crash("prod")
             self.note("host crash", "prod (producer a, its Ray node)")
             self._later(HOST_DOWN_S, lambda: self._boot("prod"))
@@ -407,6 +409,21 @@ class HostsChaos(Chaos):
             self._later(PARTITION_S, self._heal)
         else:
             raise ValueError(f"no such scenario: {fault}")
+
+    def _held_by(self, marker: str) -> list[str]:
+        """The groups (task:uid@epoch) that producers whose name holds ``marker`` (their
+        host's name) have claimed and not settled."""
+        held: list[str] = []
+        client: Any = self.client()
+        for kind in POOLS:
+            stream = self.keys.stream(kind, TASK)
+            with contextlib.suppress(redis.ResponseError):  # no such stream or group yet
+                for entry in client.xpending_range(stream, PRODUCERS, "-", "+", 10_000):
+                    if marker in entry["consumer"].decode():
+                        for _, fields in client.xrange(stream, entry["message_id"], entry["message_id"]):
+                            if gid := _group_id(fields):
+                                held.append(gid)
+        return held
 
     def _later(self, seconds: float, what: Callable[[], None]) -> None:
         timer = threading.Timer(seconds, what)
@@ -504,6 +521,9 @@ def run_scenario(
             chaos.hosts.heal()
         settled = chaos.settle()
         lost_commits = discarded(chaos)
+        trained = _trained(chaos)
+        lost_commits["claims_held_by_the_crashed_host"] = len(chaos.held_at_crash)
+        lost_commits["of_them_trained_once"] = sum(1 for g in chaos.held_at_crash if trained.get(g) == 1)
         chaos.stop()
         result = account(chaos, finished)
         result.update(lost_commits)
@@ -566,6 +586,22 @@ def discarded(chaos: HostsChaos) -> dict[str, int]:
         "steps_committed_beyond_it": len({step for step, _ in committed if step > final_step}),
         "groups_committed_then_discarded": sum(1 for g in last if unknown(g)),
     }
+
+
+def _trained(chaos: HostsChaos) -> dict[str, int]:
+    """How many committed steps each group was trained in, from the trainer's record."""
+    reads: dict[int, list[str]] = {}
+    times: dict[str, int] = {}
+    if chaos.record.exists():
+        for line in chaos.record.read_bytes().splitlines():
+            with contextlib.suppress(ValueError):
+                entry = orjson.loads(line)
+                if entry["event"] == "read":
+                    reads[entry["step"]] = [g for g, _ in entry["groups"]]
+                else:
+                    for g in reads.pop(entry["step"], []):
+                        times[g] = times.get(g, 0) + 1
+    return times
 
 
 def _count(path: Path, text: str) -> int:
