@@ -75,7 +75,8 @@ data)
     exec redis-server "$CONF" --port "$REDIS_PORT" --bind "$BIND" --dir "$DATA" \
         --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \
         --replica-announce-ip "$SELF" --replica-announce-port "$REDIS_PORT" \
-        --min-replicas-to-write "${MIN_REPLICAS_TO_WRITE:-1}" --min-replicas-max-lag "${MIN_REPLICAS_MAX_LAG:-10}" "$@"
+        --min-replicas-to-write "${MIN_REPLICAS_TO_WRITE:-1}" \
+        --min-replicas-max-lag "${MIN_REPLICAS_MAX_LAG:-10}" "$@"
     ;;
 sentinel)
     set -- $(primary)
