@@ -212,6 +212,11 @@ def reason(error: BaseException) -> str:
             "redis.url up, do they take its ?sentinel_password=, and is that the name in their "
             "`sentinel monitor` line?)" + (f"; {detail}" if detail else "")
         )
+    if isinstance(error, NoReplicasError):
+        return (
+            "NOREPLICAS: the primary refuses writes with no replica in sync (min-replicas-to-write): "
+            "cut off from its replicas, or they are down"
+        )
     return str(error) or type(error).__name__
 
 
