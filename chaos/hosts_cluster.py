@@ -83,6 +83,7 @@ class HostsChaos(Chaos):
     primary_before: str | None = None
     primary_after: str | None = None
     held_at_crash: list[str] = field(default_factory=list)
+    crashed_host: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -332,7 +333,7 @@ class HostsChaos(Chaos):
                 if not (cut_off and self._primary and self.host_of(self._primary[0]) == self.primary_before):
                     self.recovered_at = now
                     self.note("recovered", f"train step {step} on the majority's primary")
-            faulted = self.healed_at is not None  # the fault is over: healed, or the host back
+            faulted = self._fault_over()
             if step >= self.steps and faulted:
                 self.note("done", f"train step {self.steps}")
                 return True
@@ -348,6 +349,16 @@ class HostsChaos(Chaos):
             time.sleep(0.2)
         return False
 
+    def _fault_over(self) -> bool:
+        """The partition healed; the crashed host back, with its processes running again."""
+        if self.healed_at is None:
+            return False
+        return all(
+            c.proc is not None and c.proc.poll() is None
+            for c in self.children.values()
+            if isinstance(c, HostChild) and c.host == self.crashed_host
+        )
+
     @staticmethod
     def _restarts(child: Child) -> bool:
         """deploy/systemd's Restart=on-failure and RestartPreventExitStatus=2 5 (Redis's
@@ -359,6 +370,7 @@ class HostsChaos(Chaos):
     def inject(self, fault: str) -> None:
         if fault == "crash_producer_host":
             self.held_at_crash = self._held_by("-prod-")
+            self.crashed_host = "prod"
             self.hosts.crash("prod")
             self.note("host crash", "prod (producer a, its Ray node)")
             self._later(HOST_DOWN_S, lambda: self._boot("prod"))
