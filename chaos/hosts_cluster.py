@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from chaos.constants import ROOT, TASK
+from chaos.constants import CLAIM_IDLE_MS, ROOT, TASK
 from chaos.hosts import Hosts
 from chaos.report import _group_id
 from chaos.supervisor import Chaos, Child
@@ -38,7 +38,11 @@ DOWN_AFTER_MS = 5000  # redis-ha.sh's default
 FAULT_STEP = 5
 HOST_DOWN_S = 10.0
 PARTITION_S = 20.0
-SCENARIOS = ("crash_producer_host", "partition_primary")
+SCENARIOS = (
+    "crash_producer_host", "partition_primary", "crash_trainer_host", "crash_engine_host",
+    "partition_producer_host",
+)  # fmt: skip
+CRASHES = {"crash_producer_host": "prod", "crash_trainer_host": "train", "crash_engine_host": "gpu"}
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 
 
@@ -368,12 +372,22 @@ class HostsChaos(Chaos):
         return child.exits[-1] not in (0, 2, 5)
 
     def inject(self, fault: str) -> None:
-        if fault == "crash_producer_host":
+        if fault in CRASHES:
+            host = CRASHES[fault]
+            if host == "prod":
+                self.held_at_crash = self._held_by("-prod-")
+            self.crashed_host = host
+            on_it = [c.name for c in self.children.values() if isinstance(c, HostChild) and c.host == host]
+            self.hosts.crash(host)
+            self.note("host crash", f"{host} ({', '.join(on_it)})")
+            self._later(HOST_DOWN_S, lambda: self._boot(host))
+        elif fault == "partition_producer_host":
+            # producer a loses Redis (not Ray) for 5 x claim_idle_ms: its claims are taken
+            # back by producer b meanwhile, and what it settles after the heal is fenced off
             self.held_at_crash = self._held_by("-prod-")
-            self.crashed_host = "prod"
-            self.hosts.crash("prod")
-            self.note("host crash", "prod (producer a, its Ray node)")
-            self._later(HOST_DOWN_S, lambda: self._boot("prod"))
+            self.hosts.isolate(["prod"], REDIS_HOSTS)
+            self.note("partition", "prod (producer a) from the Redis hosts; it still reaches Ray")
+            self._later(5 * CLAIM_IDLE_MS / 1000, self._heal)
         elif fault == "partition_primary":
             primary = self.primary()
             assert primary is not None
