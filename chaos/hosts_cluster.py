@@ -256,7 +256,7 @@ class HostsChaos(Chaos):
                 host=host, port=int(port), password=self.password, socket_timeout=1, socket_connect_timeout=1
             )
             try:
-                answer: Any = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+                answer: Any = client.sentinel_get_master_addr_by_name(SERVICE)
                 if answer:
                     key = (answer[0].decode(), int(answer[1]))
                     votes[key] = votes.get(key, 0) + 1

@@ -83,7 +83,7 @@ def test_commits_wait_for_a_replica_by_default_where_sentinels_fail_over(url: st
     assert load_settings(redis={"url": url, "wait_replicas": 2}).redis.wait_replicas == 2
 
 
-def test_the_wait_default_follows_a_sentinel_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_wait_default_follows_a_sentinel_url_from_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLSTREAM_REDIS__URL", "redis+sentinel://h1:26379/mymaster/0")
     assert load_settings().redis.wait_replicas == 1
     monkeypatch.setenv("ROLLSTREAM_REDIS__WAIT_REPLICAS", "0")
