@@ -9,7 +9,7 @@ DEV := $(VENV)/.installed-dev
 TREE := $(VENV)/.static-tree
 PACKAGE_DIRS := $(shell find rollstream shared producer consumer cli recipes -type d -not -name __pycache__)
 
-.PHONY: demo test test-all lint docs docs-serve bench soak gpu-check run chaos clean
+.PHONY: demo test test-all lint docs docs-serve bench soak gpu-check run chaos hosts-chaos clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,14 @@ run: $(VENV)/.installed-run
 chaos: $(DEV)
 	$(PY) -m chaos.run --no-faults --out bench/results/chaos-baseline
 	$(PY) -m chaos.run --out bench/results/chaos
+
+# A run laid out like a cluster on emulated hosts (chaos/hosts.py: a network and a PID
+# namespace per host on one bridge; needs root, iproute2 and util-linux): a producer host
+# crash and a partition of the Redis primary from the Sentinels' majority, with the
+# recommended settings, and the partition without them, measured
+# (bench/results/hosts-chaos/summary.json, and report.json and logs per scenario).
+hosts-chaos: $(DEV)
+	$(PY) -m chaos.hosts_run --all --out bench/results/hosts-chaos
 
 # `make test` answers in minutes: everything but the heavy tier (real vLLM, the chaos
 # smoke, the learning smokes, the benchmarks at smoke size). `make test-all` runs every test;

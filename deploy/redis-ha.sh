@@ -19,6 +19,11 @@
 #                   each node its own copy, or read-only: a Sentinel rewrites a writable one
 #   REDIS_PORT (6379), SENTINEL_PORT (26379), BIND (0.0.0.0), QUORUM (2),
 #   DOWN_AFTER_MS (5000): how long a primary may not answer before the Sentinels fail it over
+#   MIN_REPLICAS_TO_WRITE (1), MIN_REPLICAS_MAX_LAG (10): a data node that is the primary
+#                   refuses writes (NOREPLICAS) while fewer replicas than that have answered
+#                   within that many seconds: a primary cut off from the rest by a partition
+#                   stops taking writes that the failover on the other side would throw away
+#                   (deploy/README.md, "What is guaranteed"); 0: no such bound
 set -eu
 export REDISCLI_AUTH="$REDIS_PASSWORD"
 REDIS_PORT="${REDIS_PORT:-6379}"
@@ -69,7 +74,9 @@ data)
     fi
     exec redis-server "$CONF" --port "$REDIS_PORT" --bind "$BIND" --dir "$DATA" \
         --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \
-        --replica-announce-ip "$SELF" --replica-announce-port "$REDIS_PORT" "$@"
+        --replica-announce-ip "$SELF" --replica-announce-port "$REDIS_PORT" \
+        --min-replicas-to-write "${MIN_REPLICAS_TO_WRITE:-1}" \
+        --min-replicas-max-lag "${MIN_REPLICAS_MAX_LAG:-10}" "$@"
     ;;
 sentinel)
     set -- $(primary)

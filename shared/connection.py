@@ -15,6 +15,14 @@ a replica while a connection to it stayed open) closes the connection and is ret
 the new primary; with a plain URL whose name moves to the new primary (a managed Redis),
 READONLY is retried the same way. A command refused with READONLY wrote nothing.
 
+A primary cut off from its replicas and Sentinels (a partition) is failed over by the
+majority while clients may still reach it; with ``min-replicas-to-write`` (deploy/redis.conf)
+it refuses writes with NOREPLICAS once its replicas have been silent for
+``min-replicas-max-lag``. That too wrote nothing, and is retried like READONLY: the
+connection is dropped, and the reconnect asks the Sentinels, whose newest answer names the
+new primary (shared/redis_sentinel.py); without a failover it is the same primary, until
+its replicas are back or the outage limit.
+
 With ``redis.wait_replicas`` N > 0, ``wait_for_replicas`` (consumer/replication.py) makes
 what a connection wrote durable on N replicas (WAIT) before the caller goes on: the
 trainer's read and commit use it (README "Redis high availability").
@@ -40,6 +48,23 @@ from rollstream.shared.redis_sentinel import sentinel_client
 from rollstream.shared.settings import RedisSettings
 from rollstream.shared.settings_errors import ENV_PREFIX, redact_url
 from rollstream.shared.waiting import NotYet, wait_until
+
+
+class NoReplicasError(redis.ResponseError):
+    """NOREPLICAS: a primary with ``min-replicas-to-write`` refused a write for want of
+    replicas in sync. It wrote nothing (a script is refused at its first write, and
+    rollstream's scripts check everything before their first write)."""
+
+
+def _parse_noreplicas() -> None:
+    """redis-py parses NOREPLICAS as a plain ResponseError: give it a class of its own (for
+    both its parsers, which share this table), so that the outage retry can take it."""
+    from redis._parsers.base import BaseParser
+
+    BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicasError)
+
+
+_parse_noreplicas()
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM and XPENDING ... IDLE
 # Once a process is stopping, an outage is not ridden out for minutes: the process
@@ -72,7 +97,8 @@ class OutageRetry(Retry):
         # the count is only what redis-py reports in its metrics: the limit is limit_s
         super().__init__(ExponentialWithJitterBackoff(base=base_s, cap=cap_s), retries=1_000_000)
         # a primary demoted by a failover answers writes with READONLY: nothing was written
-        self.update_supported_errors([redis.ReadOnlyError])
+        # one cut off from its replicas (min-replicas-to-write) with NOREPLICAS: nor here
+        self.update_supported_errors([redis.ReadOnlyError, NoReplicasError])
         self.shown_url = shown_url
         self.limit_s = limit_s
 
@@ -185,6 +211,11 @@ def reason(error: BaseException) -> str:
             f"no Sentinel answered with a primary for service {service!r} (are the Sentinels of "
             "redis.url up, do they take its ?sentinel_password=, and is that the name in their "
             "`sentinel monitor` line?)" + (f"; {detail}" if detail else "")
+        )
+    if isinstance(error, NoReplicasError):
+        return (
+            "NOREPLICAS: the primary refuses writes with no replica in sync (min-replicas-to-write): "
+            "cut off from its replicas, or they are down"
         )
     return str(error) or type(error).__name__
 

@@ -75,18 +75,34 @@ class RedisSettings(BaseModel):
     )
     # Commit durability (README "Redis high availability"): replication is asynchronous, so
     # a failover may lose what the primary acknowledged last. With N > 0 the trainer's read
-    # and commit return only once N replicas have them (WAIT).
+    # and commit return only once N replicas have them (WAIT). Safe by default where there
+    # is a failover: 1 with a redis+sentinel:// URL (_default_wait_replicas), else 0.
     wait_replicas: int = Field(
         default=0,
         ge=0,
         le=64,
-        description="replicas that must hold a trainer's reads and commit (WAIT); 0: none",
+        description=(
+            "replicas that must hold a trainer's reads and commit (WAIT); 0: none. "
+            "Default: 1 with a redis+sentinel:// URL, else 0"
+        ),
     )
     wait_timeout_ms: int = Field(
         default=1_000,
         ge=1,
         description="how long one WAIT for redis.wait_replicas waits (retried until redis.outage_limit_s)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_wait_replicas(cls, data: Any) -> Any:
+        """redis.wait_replicas not set: 1 where Sentinels fail the primary over (a failover
+        otherwise loses the trainer's last commits, and groups are trained twice: README
+        "Redis high availability"), 0 elsewhere. Set it to 0 to run without, on purpose."""
+        if isinstance(data, dict) and "wait_replicas" not in data:
+            url = data.get("url")
+            if isinstance(url, str) and redisurl.scheme_of(url) in redisurl.SENTINELS:
+                return {**data, "wait_replicas": 1}
+        return data
 
     @field_validator("url")
     @classmethod

@@ -19,7 +19,7 @@ import redis
 
 from rollstream.consumer.replication import wait_for_replicas
 from rollstream.shared import telemetry
-from rollstream.shared.connection import connect
+from rollstream.shared.connection import NoReplicasError, connect
 from rollstream.shared.embedded import find_redis_server
 from rollstream.shared.errors import ReplicasBehind
 from rollstream.shared.keys import Keys
@@ -123,6 +123,28 @@ def redis_set(tmp_path: Path) -> Iterator[tuple[list[Node], list[Node], str]]:
             node.kill()
 
 
+def _link_up(node: Node) -> bool:
+    client = node.client()
+    try:
+        return client.info("replication").get("master_link_status") == "up"
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _writes(node: Node, key: str, value: str) -> bool:
+    """``node`` took the write (a primary with min-replicas-to-write refuses it while its
+    replica is not yet counted in sync)."""
+    client = node.client()
+    try:
+        return bool(client.set(key, value))
+    except NoReplicasError:
+        return False
+    finally:
+        client.close()
+
+
 def _priority_seen(sentinel: Node, port: int) -> int | None:
     """The replica-priority that ``sentinel`` last read from the replica on ``port``."""
     client = sentinel.client()
@@ -172,9 +194,13 @@ def test_the_deploy_script_brings_up_a_set_that_fails_over(
     wait_for(lambda: all(_priority_seen(s, second.port) == 100 for s in sentinels), timeout=30)
     first.kill()
     wait_for(lambda: _primary_port(sentinels) == second.port and second.role_now() == "master", timeout=30)
-    client.hset(keys.state, "train_step", 2)  # the client follows the Sentinels
+    # the new primary has no replica in sync while the old one is down: it takes no writes
+    # (min-replicas-to-write 1), so that none can be lost with it
+    with pytest.raises(NoReplicasError):
+        second.client().hset(keys.state, "train_step", 2)
     first.start()  # the same script: the Sentinels name the new primary, so a replica of it
     assert first.role_now() == "slave"
+    client.hset(keys.state, "train_step", 2)  # the client follows the Sentinels
     wait_for(lambda: first.priority() == "100", timeout=30)  # promotable again once in sync
     assert wait_for_replicas(client, keys, settings, "a write", committed_step=2) == 1
     assert first.client().hget(keys.state, "train_step") == b"2"
@@ -200,7 +226,11 @@ def test_a_joining_replica_is_not_promotable_until_it_holds_the_data(
     assert second.priority() == "0"
     # and once its primary is up and it holds the data, it may be
     first.start()
-    first.client().set("k", "v")
+    # a primary takes writes only with a replica in sync (the script's min-replicas-to-write 1)
+    with pytest.raises(NoReplicasError):
+        first.client().set("early", "v")
+    wait_for(lambda: _link_up(second), timeout=30)
+    wait_for(lambda: _writes(first, "k", "v"), timeout=30)
     wait_for(lambda: second.priority() == "100", timeout=30)
     assert second.client().get("k") == b"v"
     assert first.priority() == "100"  # the primary started as one: never held back

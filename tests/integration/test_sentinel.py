@@ -111,6 +111,36 @@ def test_a_readonly_reply_is_an_outage_ridden_out_not_an_error(
         b.stop()
 
 
+def test_a_noreplicas_refusal_is_an_outage_ridden_out_not_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A primary with min-replicas-to-write whose replica is gone (cut off by a partition,
+    the majority failing it over) refuses writes with NOREPLICAS, having written nothing:
+    writes and scripts are retried until it has a replica again, and land once."""
+    from rollstream.shared.connection import NoReplicasError
+    from rollstream.shared.embedded import find_redis_server
+
+    binary = find_redis_server()
+    args = [*DATA_ARGS, "--min-replicas-to-write", "1", "--min-replicas-max-lag", "10"]
+    a = Node(binary, tmp_path / "a", args).start()
+    b = Node(binary, tmp_path / "b", DATA_ARGS)
+    try:
+        with pytest.raises(NoReplicasError):  # what redis-py gives without the retry
+            a.client().set("x", "1")
+        client = connect(RedisSettings(url=f"redis://127.0.0.1:{a.port}/0", outage_limit_s=60))
+        replica = threading.Timer(1.0, lambda: b.start() and b.client().replicaof("127.0.0.1", a.port))
+        replica.start()
+        with caplog.at_level(logging.INFO):
+            assert client.eval("return redis.call('INCR', KEYS[1])", 1, "n") == 1
+            client.set("y", "2")
+        replica.join()
+        assert a.client().get("n") == b"1" and a.client().get("y") == b"2"  # each once
+        assert "NOREPLICAS" in caplog.text and "answers again after" in caplog.text
+    finally:
+        a.stop()
+        b.stop()
+
+
 def _offsets_equal(primary: Node) -> bool:
     info = primary.client().info("replication")
     return all(

@@ -67,6 +67,29 @@ def test_wait_settings_are_bounded() -> None:
         load_settings(redis={"wait_replicas": -1})
 
 
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis+sentinel://:p@h1:26379,h2:26379/mymaster/0", 1),  # a failover: safe by default
+        ("rediss+sentinel://h1:26379/mymaster", 1),
+        ("redis://h:6379/0", 0),
+        ("redis+cluster://h:7000", 0),
+    ],
+)
+def test_commits_wait_for_a_replica_by_default_where_sentinels_fail_over(url: str, expected: int) -> None:
+    assert load_settings(redis={"url": url}).redis.wait_replicas == expected
+    # set on purpose, it is kept: 0 runs on without a replica
+    assert load_settings(redis={"url": url, "wait_replicas": 0}).redis.wait_replicas == 0
+    assert load_settings(redis={"url": url, "wait_replicas": 2}).redis.wait_replicas == 2
+
+
+def test_the_wait_default_follows_a_sentinel_url_from_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLSTREAM_REDIS__URL", "redis+sentinel://h1:26379/mymaster/0")
+    assert load_settings().redis.wait_replicas == 1
+    monkeypatch.setenv("ROLLSTREAM_REDIS__WAIT_REPLICAS", "0")
+    assert load_settings().redis.wait_replicas == 0
+
+
 def test_the_sentinels_password_in_the_query_is_redacted_too() -> None:
     shown = redact_url("redis+sentinel://:data-pw@h1:26379/mymaster?sentinel_password=sentinel-pw")
     assert "data-pw" not in shown and "sentinel-pw" not in shown and "sentinel_password=***" in shown
