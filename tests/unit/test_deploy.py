@@ -109,7 +109,10 @@ def variables() -> dict[str, dict[str, str]]:
         out[str(path.relative_to(DEPLOY))] = found
     for path in text_files():
         found = {}
-        for line in path.read_text().splitlines():
+        text = path.read_text()
+        if path.suffix == ".service":  # a template unit's instance (%i) as systemd fills it in
+            text = text.replace("%i", "1")
+        for line in text.splitlines():
             for name, value in ASSIGNMENT.findall(line):
                 found[name] = shlex.split(value)[0] if value.strip() else ""
             for name in VARIABLE.findall(line):
