@@ -69,6 +69,12 @@ def test_the_image_installs_ray_default_at_the_clusters_pinned_version() -> None
     assert "--constraint deploy/constraints.txt" in dockerfile
     assert re.search(r"^ARG BASE=\S+:\S+", dockerfile, re.M)  # a pinned upstream base by default
     assert re.search(r"^USER 1000", dockerfile, re.M)
+    # the checkout is built and removed, never a process's working directory: its bare
+    # rollstream/ folder would shadow the installed package in Ray's workers
+    copied = re.search(r"^COPY \. (\S+)$", dockerfile, re.M)
+    assert copied and f"rm -rf {copied.group(1)}" in dockerfile
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.M)
+    assert not workdir.startswith(copied.group(1))
     pins = {}
     for line in (DEPLOY / "constraints.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
