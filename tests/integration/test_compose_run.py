@@ -107,9 +107,8 @@ def images(docker: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     packages = "python3,python3-venv,ca-certificates,redis-server,redis-tools"
     run(["debootstrap", "--variant=minbase", f"--include={packages}", "bookworm", str(rootfs)], timeout=900)
     base = "rollstream-check-base:bookworm"
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    run(["docker", "import", "-", base], timeout=300, stdin=tar.stdout, env=docker)
-    assert tar.wait(timeout=60) == 0
+    run(["tar", "-C", str(rootfs), "-cf", str(work / "rootfs.tar"), "."], timeout=300)
+    run(["docker", "import", str(work / "rootfs.tar"), base], timeout=300, env=docker)
     # the build context: the checkout's files (as git has them) and a wheelhouse beside
     context = work / "context"
     files = run(["git", "ls-files", "-z"], timeout=60, cwd=ROOT).stdout.split("\0")
