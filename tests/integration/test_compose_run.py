@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 import pytest
 import yaml
 
@@ -44,6 +45,7 @@ RUN_SERVICES = ("redis", "ray-head", "ray-worker", "engines", "producer", "judge
                 "metrics", "archive")  # fmt: skip
 ROLLSTREAM_SERVICES = ("engines", "producer", "judge", "feeder", "trainer", "metrics", "archive")
 STEPS = 3
+SHIMS: list[psutil.Process] = []  # the containers' shims, for a teardown after the engine stalled
 
 
 def requirements() -> None:
@@ -90,13 +92,51 @@ def docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
         wait_for(up, timeout=120, interval=1.0)
         yield env
     finally:
-        engine.send_signal(signal.SIGTERM)  # it stops its containers and its containerd
+        shims = [*SHIMS, *container_shims(env)]  # seen after `up`, and now if it answers
+        with contextlib.suppress(subprocess.SubprocessError):  # its containers first, while it answers
+            ids = subprocess.run(
+                ["docker", "ps", "-aq"], env=env, capture_output=True, text=True, timeout=120
+            )
+            if ids.stdout.split():
+                subprocess.run(
+                    ["docker", "rm", "-f", *ids.stdout.split()], env=env, capture_output=True, timeout=300
+                )
+        engine.send_signal(signal.SIGTERM)  # it stops its containerd
         try:
             engine.wait(timeout=120)
         except subprocess.TimeoutExpired:
             engine.kill()
             engine.wait()
         log.close()
+        # what an engine killed mid-way leaves: its containers' shims (by the PIDs seen
+        # above, with everything under them) and its mounts under this test's folder
+        for shim in shims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for process in [*shim.children(recursive=True), shim]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+        for line in reversed(Path("/proc/mounts").read_text().splitlines()):
+            mount = line.split()[1]
+            if mount.startswith(str(root)):
+                subprocess.run(["umount", "-l", mount], capture_output=True, timeout=60)
+
+
+def container_shims(env: dict[str, str]) -> list[psutil.Process]:
+    """The containerd shims of the engine's containers (each container's first process's
+    parent), by PID, while the engine answers."""
+    shims: list[psutil.Process] = []
+    with contextlib.suppress(subprocess.SubprocessError, ValueError):
+        ids = subprocess.run(["docker", "ps", "-q"], env=env, capture_output=True, text=True, timeout=120)
+        if not ids.stdout.split():
+            return shims
+        pids = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", *ids.stdout.split()], env=env,
+                              capture_output=True, text=True, timeout=120).stdout.split()  # fmt: skip
+        for pid in map(int, pids):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                parent = psutil.Process(pid).parent() if pid else None
+                if parent is not None and "containerd-shim" in parent.name():
+                    shims.append(parent)
+    return shims
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +202,12 @@ def test_compose_runs_a_short_run_to_its_end_with_nothing_lost(
     compose = compose_files(tmp_path, images)
     try:
         run([*compose, "up", "--no-build", "-d", *RUN_SERVICES], timeout=600, env=docker)
+        SHIMS.extend(container_shims(docker))
 
         def containers() -> dict[str, dict[str, Any]]:
-            ids = run([*compose, "ps", "-q"], timeout=60, env=docker).stdout.split()
-            found = orjson.loads(run(["docker", "inspect", *ids], timeout=60, env=docker).stdout)
+            project = f"label=com.docker.compose.project={PROJECT}"
+            ids = run(["docker", "ps", "-aq", "--filter", project], timeout=180, env=docker).stdout.split()
+            found = orjson.loads(run(["docker", "inspect", *ids], timeout=180, env=docker).stdout)
             return {c["Config"]["Labels"]["com.docker.compose.service"] + c["Name"][-2:]: c for c in found}
 
         def rollstream_exited() -> dict[str, dict[str, Any]] | None:
@@ -181,7 +223,7 @@ def test_compose_runs_a_short_run_to_its_end_with_nothing_lost(
         def logs(service: str) -> str:
             out = run(
                 [*compose, "logs", "--no-color", "--tail", "40", service.rsplit("_", 1)[0]],
-                timeout=60,
+                timeout=180,
                 env=docker,
             )
             return out.stdout[-4000:]
