@@ -125,7 +125,7 @@ gpu-check:
 # deploy/compose run for real (tests/integration/test_compose_run.py): a Docker engine of
 # its own (own data root and socket, no iptables changes), a Debian base image from
 # debootstrap, the image from a wheelhouse, a short run to its end, all torn down. Needs
-# root, docker.io, docker-compose and debootstrap; about 5-10 minutes.
+# root, docker.io, docker-compose and debootstrap; about 3-5 minutes (15 on a loaded machine).
 compose-check: $(DEV)
 	$(PY) -m pytest -m heavy tests/integration/test_compose_run.py -v
 
