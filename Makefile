@@ -9,7 +9,7 @@ DEV := $(VENV)/.installed-dev
 TREE := $(VENV)/.static-tree
 PACKAGE_DIRS := $(shell find rollstream shared producer consumer cli recipes -type d -not -name __pycache__)
 
-.PHONY: demo test test-all lint docs docs-serve bench soak gpu-check run chaos hosts-chaos clean
+.PHONY: demo test test-all lint docs docs-serve bench soak gpu-check compose-check run chaos hosts-chaos clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -129,6 +129,13 @@ soak: $(DEV)
 GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+# deploy/compose run for real (tests/integration/test_compose_run.py): a Docker engine of
+# its own (own data root and socket, no iptables changes), a Debian base image from
+# debootstrap, the image from a wheelhouse, a short run to its end, all torn down. Needs
+# root, docker.io, docker-compose and debootstrap; about 3-5 minutes (15 on a loaded machine).
+compose-check: $(DEV)
+	$(PY) -m pytest -m heavy tests/integration/test_compose_run.py -v
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

@@ -28,7 +28,10 @@ import psutil
 from tests.helpers import wait_for
 
 log = logging.getLogger(__name__)
-RAY = str(Path(sys.executable).with_name("ray"))
+# Ray's CLI of this interpreter: its `ray` script, or the module behind it where the
+# environment has no script of its own (a venv layered on another one's packages)
+_SCRIPT = Path(sys.executable).with_name("ray")
+RAY = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def free_port() -> int:
@@ -59,11 +62,17 @@ class RayCluster:
     root: Path
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     port: int = field(default_factory=free_port)
+    client_port: int = field(default_factory=free_port)  # the head's Ray Client server
     nodes: dict[str, RayNode] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def client_address(self) -> str:
+        """The head's Ray Client server, for a driver that runs no node of the cluster."""
+        return f"ray://127.0.0.1:{self.client_port}"
 
     @property
     def env(self) -> dict[str, str]:
@@ -81,7 +90,7 @@ class RayCluster:
 
     def start_head(self, num_cpus: float = 1, resources: dict[str, float] | None = None) -> RayNode:
         extra = ["--head", "--port", str(self.port), "--include-dashboard=false", "--disable-usage-stats"]
-        extra += ["--ray-client-server-port", str(free_port())]
+        extra += ["--ray-client-server-port", str(self.client_port)]
         return self._start("head", extra, num_cpus, resources or {})
 
     def add_node(self, name: str, num_cpus: float = 1, resources: dict[str, float] | None = None,
@@ -98,7 +107,7 @@ class RayCluster:
         temp_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.root / f"{name}.log"
         command = [
-            RAY, "start", "--block", *extra,
+            *RAY, "start", "--block", *extra,
             "--node-ip-address", "127.0.0.1",
             "--num-cpus", str(num_cpus),
             "--resources", json.dumps({name: 1, **resources}),
@@ -122,7 +131,7 @@ class RayCluster:
     def alive_resources(self) -> dict[str, float]:
         """The custom resources of the nodes alive, as the cluster sees them."""
         out = subprocess.run(
-            [RAY, "status", "--address", self.address],
+            [*RAY, "status", "--address", self.address],
             capture_output=True,
             text=True,
             env=self.env,

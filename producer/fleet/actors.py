@@ -43,7 +43,13 @@ def actor_name(run: str, index: int) -> str:
 
 def init_ray(address: str = "", *, local: bool = False) -> str:
     """Join the Ray cluster at ``address``, or, with ``local`` and no address, start a
-    one-machine cluster owned by this process; returns the cluster's GCS address.
+    one-machine cluster owned by this process; returns the address other processes of
+    the run join by (the cluster's GCS address; a ``ray://`` address as given).
+
+    ``address`` is the GCS address (``host:port``) for a process on a machine that runs
+    a node of the cluster, or the head's Ray Client server (``ray://host:10001``) for one
+    that runs none: a container or pod of its own, which Ray's GCS path does not serve
+    (the driver needs a raylet it can see).
 
     Never "whatever cluster runs on this machine": RAY_ADDRESS and Ray's record of the
     last cluster started here are ignored, so a run cannot land on another run's
@@ -52,7 +58,7 @@ def init_ray(address: str = "", *, local: bool = False) -> str:
     RAY_AUTH_TOKEN_PATH names, default ~/.ray/auth_token), as Ray documents.
     """
     if ray.is_initialized():
-        return str(ray.get_runtime_context().gcs_address)
+        return address if is_client_address(address) else str(ray.get_runtime_context().gcs_address)
     stray = os.environ.pop("RAY_ADDRESS", None)
     if stray and stray != address:
         log.warning(
@@ -69,16 +75,47 @@ def init_ray(address: str = "", *, local: bool = False) -> str:
         else:
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError, RayError) as exc:
-        hint = ""
-        if address and os.environ.get("RAY_AUTH_MODE") == "token":
-            hint = (
-                " (Ray's token authentication is on: this process needs the cluster's token in "
-                "RAY_AUTH_TOKEN, or in the file RAY_AUTH_TOKEN_PATH names, default ~/.ray/auth_token)"
-            )
         raise PoolError(
-            f"cannot join the Ray cluster at {address or 'local'}: {first_line(exc)}{hint}"
+            f"cannot join the Ray cluster at {address or 'local'}: {first_line(exc)}{join_hint(address, exc)}"
         ) from None
+    if is_client_address(address):
+        return address
     return str(ray.get_runtime_context().gcs_address)
+
+
+def is_client_address(address: str) -> bool:
+    """A Ray Client address (``ray://host:port``): the driver runs no Ray node of its own."""
+    return address.startswith("ray://")
+
+
+AUTH_WORDS = ("auth", "token", "unauthenticated", "permission")
+
+
+def join_hint(address: str, exc: BaseException) -> str:
+    """What to look at when joining ``address`` failed with ``exc``. The token only when the
+    error is about it: a driver that cannot reach a raylet of the cluster (it runs in a
+    container or pod of its own: Ray's GCS path needs one on its machine, in its view)
+    times out with "Failed to connect", which is no token's fault."""
+    if not address:
+        return ""
+    text = str(exc).lower()
+    if any(word in text for word in AUTH_WORDS):
+        return (
+            " (Ray's token authentication refused this process: it needs the cluster's token "
+            "in RAY_AUTH_TOKEN, or in the file RAY_AUTH_TOKEN_PATH names, default ~/.ray/auth_token)"
+        )
+    if is_client_address(address):
+        return (
+            " (a Ray Client address: the head must run its client server on that port, "
+            "`ray start --head --ray-client-server-port=10001`, with ray[default] installed)"
+        )
+    return (
+        " (a GCS address works only where this process can reach a Ray node of the cluster "
+        "on its own machine, e.g. beside `ray start`; a process in a container or pod "
+        "without one joins through Ray Client: ray.address ray://HEAD:10001. Check also "
+        "the address, the head's port, and that this process has the cluster's token "
+        "in RAY_AUTH_TOKEN if token authentication is on)"
+    )
 
 
 def _ask_for_token_auth() -> None:

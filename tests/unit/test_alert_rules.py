@@ -34,6 +34,7 @@ TEMPLATE_LABEL = re.compile(r"\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)")
 # the labels Prometheus gives every scraped series
 TARGET_LABELS = {"job", "instance"}
 SEVERITIES = {"page", "ticket"}
+WATCHDOG = "RollstreamWatchdog"
 
 
 def promtool() -> str:
@@ -155,6 +156,10 @@ def test_every_alert_says_how_bad_and_where_and_is_tested() -> None:
         name = rule["alert"]
         assert name.startswith("Rollstream"), name
         assert "for" in rule, name
+        assert tested.get(name), f"{name}: no test in alerts.test.yml where it fires"
+        if name == WATCHDOG:  # the dead man's switch: about no run, no severity of its own
+            assert rule["labels"]["severity"] == "none" and rule["expr"] == "vector(1)"
+            continue
         assert rule["labels"]["severity"] in SEVERITIES, name
         assert set(rule["annotations"]) == {"summary", "description"}, name
         if "absent(" not in rule["expr"]:  # absent() has no run to name
@@ -180,7 +185,7 @@ def amtool() -> str:
 def test_amtool_checks_the_alertmanager_config(tmp_path: Path) -> None:
     done = subprocess.run([amtool(), "check-config", str(ALERTMANAGER)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 receivers" in done.stdout and "1 inhibit rules" in done.stdout
+    assert "3 receivers" in done.stdout and "1 inhibit rules" in done.stdout
     # not vacuous: a route to a receiver that does not exist fails it
     broken = tmp_path / "alertmanager.yml"
     broken.write_text(ALERTMANAGER.read_text().replace("receiver: page", "receiver: pager"))
@@ -191,7 +196,7 @@ def test_every_severity_the_rules_give_has_a_route() -> None:
     config = yaml.safe_load(ALERTMANAGER.read_text())
     receivers = {r["name"] for r in config["receivers"]}
     routed = {m for route in config["route"]["routes"] for m in route["matchers"]}
-    given = {rule["labels"]["severity"] for rule in rules()}
+    given = {rule["labels"]["severity"] for rule in rules() if rule["alert"] != WATCHDOG}
     assert given == SEVERITIES
     # page has its route; ticket is the default receiver
     assert 'severity="page"' in routed and config["route"]["receiver"] == "ticket"
@@ -215,3 +220,15 @@ def test_compose_runs_alertmanager_with_the_config() -> None:
     source = next(v.split(":")[0] for v in volumes if "/etc/alertmanager/alertmanager.yml" in v)
     assert (COMPOSE.parent / source).resolve() == ALERTMANAGER
     assert "alertmanager" in services["prometheus"]["depends_on"]
+
+
+def test_the_watchdog_goes_to_its_own_route_first() -> None:
+    """The dead man's switch reaches the receiver meant for a heartbeat service (the `null`
+    receiver as shipped), before the severity routes, repeated every minute or so."""
+    assert WATCHDOG in {rule["alert"] for rule in rules()}
+    config = yaml.safe_load(ALERTMANAGER.read_text())
+    first = config["route"]["routes"][0]
+    assert first["matchers"] == [f'alertname="{WATCHDOG}"']
+    assert first["repeat_interval"] in {"1m", "2m", "5m"}
+    receivers = {r["name"]: r for r in config["receivers"]}
+    assert first["receiver"] in receivers

@@ -109,7 +109,10 @@ def variables() -> dict[str, dict[str, str]]:
         out[str(path.relative_to(DEPLOY))] = found
     for path in text_files():
         found = {}
-        for line in path.read_text().splitlines():
+        text = path.read_text()
+        if path.suffix == ".service":  # a template unit's instance (%i) as systemd fills it in
+            text = text.replace("%i", "1")
+        for line in text.splitlines():
             for name, value in ASSIGNMENT.findall(line):
                 found[name] = shlex.split(value)[0] if value.strip() else ""
             for name in VARIABLE.findall(line):
@@ -287,7 +290,9 @@ def test_the_custom_objects_hold_together() -> None:
     settings = objects[("ConfigMap", "rollstream-settings")]["data"]
     ray_cluster = objects[("RayCluster", "rollstream-ray")]
     assert ray_cluster["apiVersion"] == "ray.io/v1"
-    assert settings["ROLLSTREAM_RAY__ADDRESS"] == "rollstream-ray-head-svc:6379"
+    # the processes' pods run no Ray node: Ray Client on the head, which serves it
+    assert settings["ROLLSTREAM_RAY__ADDRESS"] == "ray://rollstream-ray-head-svc:10001"
+    assert ray_cluster["spec"]["headGroupSpec"]["rayStartParams"]["ray-client-server-port"] == "10001"
     assert settings["RAY_AUTH_MODE"] == "token"
     wanted = yaml.safe_load(settings["ROLLSTREAM_ENGINES__RESOURCES"])
     for group in ray_cluster["spec"]["workerGroupSpecs"]:
@@ -321,6 +326,6 @@ def test_a_lost_run_is_never_restarted() -> None:
             line.split("=", 1)[1].split() for line in lines if line.startswith("RestartPreventExitStatus=")
         ]
         assert prevent and "5" in prevent[0], unit.name
-    (job,) = documents(DEPLOY / "k8s" / "trainer-job.yaml")
+    (job,) = [d for d in documents(DEPLOY / "k8s" / "trainer-job.yaml") if d["kind"] == "Job"]
     rules = job["spec"]["podFailurePolicy"]["rules"]
     assert any(r["action"] == "FailJob" and 5 in r["onExitCodes"]["values"] for r in rules)
