@@ -371,7 +371,8 @@ def test_a_lora_adapter_alone_makes_the_engine_decode_the_trainers_adapted_model
     async def main() -> None:
         for seed in (1, 2):
             torch.manual_seed(seed)
-            loss = policy.model(input_ids=torch.randint(4, 60, (2, 12))).logits.logsumexp(-1).mean()
+            ids = torch.tensor([models.prompt, models.prompt[::-1]])[:, torch.randperm(len(models.prompt))]
+            loss = policy.model(input_ids=ids).logits.logsumexp(-1).mean()
             policy.optimizer.zero_grad()
             loss.backward()
             policy.optimizer.step()
