@@ -20,7 +20,6 @@ Prints each way's seconds and its ratio to the anchor, then shm over file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json
 from hf_decode import RESULTS, table
 from weight_transports import measure
 
@@ -76,11 +76,7 @@ def main() -> None:
         for size in args.size.split(","):
             results.append(measure(size, args.device, args.dtype, args.repeats, False, Path(tmp), only=WAYS))
     print(report(results))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"machine": platform.node(), "cpus": os.cpu_count(), "results": results}, indent=2)
-    )
-    print(f"wrote {args.out}")
+    write_json({"machine": platform.node(), "cpus": os.cpu_count(), "results": results}, args.out)
 
 
 if __name__ == "__main__":
