@@ -14,12 +14,13 @@ import orjson
 
 from rollstream.cli.engines import serving_settings
 from rollstream.cli.status import RunStatus, run_status
+from rollstream.shared import rewind
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.buffer_types import default_consumer_name
 from rollstream.shared.connection import check_server, connect, eviction_risk
 from rollstream.shared.errors import CorruptValueError, InputError, SettingsError
 from rollstream.shared.events import CONTROL_EVENTS, WEIGHT_SYNC, RunControl
-from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, TRAIN_STEP, Keys
+from rollstream.shared.keys import GROUP_OF_KIND, GROUPS, REWOUND, TRAIN_STEP, Keys
 from rollstream.shared.runconfig import open_buffer
 from rollstream.shared.settings import Settings
 from rollstream.shared.settings_errors import redact_url
@@ -37,6 +38,7 @@ def format_status(status: RunStatus) -> str:
         f"{', PAUSED' if status.paused else ''}, dead letters {status.dead_letters}, events {status.events}"
         f"{'' if status.run_id is None else f', run id {status.run_id}'}",
         *([f"LOST: {status.lost}"] if status.lost else []),
+        *([f"REWOUND: {status.rewound}"] if status.rewound else []),
         f"{'stream':44} {'length':>7} {'pending':>7} {'lag':>7} {'consumers':>9} {'oldest idle':>11}",
     ]
     for s in status.streams:
@@ -150,8 +152,15 @@ def steps(settings: Settings, *, train_step: int | None, yes: bool, model_step: 
     if not yes:
         print(f"would set train_step {train} -> {train_step}: add --yes to do it (stop the trainer first)")
         return 1
-    client.hset(Keys(settings.run).state, TRAIN_STEP, train_step)
+    keys = Keys(settings.run)
+    pipe = client.pipeline(transaction=True)
+    pipe.hget(keys.state, REWOUND)
+    pipe.hset(keys.state, TRAIN_STEP, train_step)
+    pipe.hdel(keys.state, REWOUND)
+    wound = pipe.execute()[0]
     print(f"train_step set to {train_step}: a trainer started now goes on at step {train_step + 1}")
+    if wound is not None:  # the operator's decision to go on from a rewound run
+        print(f"cleared the run's rewound mark: {rewind.marked(wound)}")
     return 0
 
 

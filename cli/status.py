@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import redis
 
+from rollstream.shared import rewind
 from rollstream.shared.keys import (
     DROPPED,
     EVALS,
@@ -17,6 +18,7 @@ from rollstream.shared.keys import (
     MODEL_STEP,
     PAUSED,
     POOLS,
+    REWOUND,
     RUN_ID,
     RUN_LOST,
     TRAIN_STEP,
@@ -79,6 +81,7 @@ class RunStatus:
     processes: list[ProcessBeat] = field(default_factory=list)
     run_id: str | None = None  # the run's identity (None: no process has started in it)
     lost: str | None = None  # what the process that found the run lost said, when one did
+    rewound: str | None = None  # what the trainer that found committed steps gone said (shared/rewind.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,6 +158,7 @@ def run_status(client: redis.Redis, keys: Keys) -> RunStatus:
         processes=live_processes(client, keys),
         run_id=None if state.get(RUN_ID.encode()) is None else text(state[RUN_ID.encode()]),
         lost=_lost(state.get(RUN_LOST.encode())),
+        rewound=rewind.marked(state.get(REWOUND.encode())),
     )
     for (key, kind, task), length in zip(found, lengths, strict=True):
         group = GROUP_OF_KIND[kind]

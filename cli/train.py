@@ -168,18 +168,15 @@ def _check_trainer_record(process: Process, own: dict[str, Any], path: str) -> N
     """A run id that matches, but a train_step in Redis behind the record's: Redis lost
     its last writes (a crash within the append-only file's fsync second, or an older copy
     of its data). Training again from there would train those steps twice."""
-    from rollstream.shared.errors import RunLost
+    from rollstream.shared.rewind import rewound
     from rollstream.shared.runconfig import committed_step
 
     stored, recorded = committed_step(process.client, process.keys), int(own["train_step"])
     if stored < recorded:
-        raise RunLost(
-            f"run {process.run!r}: Redis at {redact_url(process.redis_url)} holds "
-            f"train_step {stored}, but the trainer's record {path} says step {recorded} was committed: "
-            "Redis lost its latest writes (an older copy of its data?). Nothing was trained: restore "
-            f"Redis's data, or go on from there on purpose with `rollstream steps --train-step {recorded} "
-            "--yes` (the groups of the lost steps are gone)"
-        )
+        raise rewound(
+            process.client, process.keys, redact_url(process.redis_url),
+            f"the trainer (its record {path})", stored, recorded, "nothing was trained on it now",
+        )  # fmt: skip
 
 
 def _write_trainer_record(path: str, process: Process, step: int) -> None:

@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 import redis
 
 from rollstream.consumer.replication import wait_for_replicas
+from rollstream.shared import rewind
 from rollstream.shared.buffer import ReplayBuffer
 from rollstream.shared.buffer_types import Batch, BatchItem
 from rollstream.shared.errors import BatchTimeout
 from rollstream.shared.events import RunControl
-from rollstream.shared.keys import GROUPS, TRAINER
+from rollstream.shared.keys import GROUPS, TRAINER, Count, progress_field
 from rollstream.shared.records import Group
 from rollstream.shared.settings import RedisSettings
+from rollstream.shared.settings_errors import redact_url
 from rollstream.shared.streams import Entry, text
 
 POLL_MS = 100
@@ -66,6 +68,8 @@ class TrainBatch:
     wait_s: float = 0.0
     _buffer: ReplayBuffer | None = None
     _redis: RedisSettings | None = None  # with wait_replicas: commit waits for the replicas
+    _reader: BatchReader | None = None  # the reader's record of its commits (a rewound run)
+    _replays: int = 0  # the reader's rewinds replayed when this batch was read
 
     @classmethod
     def of_groups(cls, step: int, groups: list[Group]) -> TrainBatch:
@@ -85,15 +89,46 @@ class TrainBatch:
     def __len__(self) -> int:
         return sum(len(b) for b in self.batches.values())
 
+    def _lost_reads(self, task: str, ids: list[str]) -> list[str]:
+        """After a rewind: the groups of this batch that no consumer holds any more were
+        read before Redis lost the reads; settled here as the commit would have (not with
+        an archive, whose trained log the commit writes: left to the reclaim, and said)."""
+        assert self._buffer is not None
+        if self._buffer.trained_log.keep > 0:
+            log.warning("train step %d: %d groups whose reads Redis lost stay in the stream (archive on)",
+                        self.train_step, len(ids))  # fmt: skip
+            return ids
+        field_ = progress_field(task, Count.CONSUMED)
+        settled = rewind.settle_lost_reads(self._buffer.client, self._buffer.keys, task, field_, ids)
+        if settled:
+            log.warning("train step %d: %d groups whose reads Redis lost were committed",
+                        self.train_step, settled)  # fmt: skip
+        return ids if settled < len(ids) else []
+
     def commit(self) -> list[str]:
         """Ack + delete the groups once the train step has succeeded, then record the step
         as the run's train_step (the last committed one); returns ids that another
         trainer consumer had taken over (and so were not committed here)."""
         assert self._buffer is not None
+        if self._reader is not None:
+            self._reader.check_rewind()  # never commit on a state behind this trainer's commits
         foreign: list[str] = []
         for batch in self.batches.values():
-            foreign += self._buffer.commit(batch, self.train_step)
-        RunControl(self._buffer.client, self._buffer.keys).advance_train_step(self.train_step)
+            lost = self._buffer.commit(batch, self.train_step)
+            if lost and self._reader is not None and self._reader.commits.replays > self._replays:
+                lost = self._lost_reads(batch.task, lost)
+            foreign += lost
+        who, url = _who(self._buffer, self._redis)
+        RunControl(self._buffer.client, self._buffer.keys).advance_train_step(self.train_step, who, url)
+        if self._reader is not None:
+            owned = set(foreign)
+            self._reader.commits.add(
+                self.train_step,
+                {
+                    t: [i.entry.id for i in b.items if i.entry.id not in owned]
+                    for t, b in self.batches.items()
+                },
+            )
         if self._redis is not None:
             wait_for_replicas(
                 self._buffer.client, self._buffer.keys, self._redis,
@@ -116,6 +151,20 @@ class BatchReader:
         self._keeper: threading.Thread | None = None
         self._keeper_lock = threading.Lock()
         self._closed = threading.Event()
+        self.commits = rewind.Commits()  # its last commits: replayed when Redis lost them
+
+    def check_rewind(self) -> None:
+        """RunRewound when Redis's train_step is behind a step this trainer committed and
+        the lost commits cannot be replayed exactly (shared/rewind.py)."""
+        buffer = self.buffer
+        who, url = _who(buffer, self.plan.redis)
+
+        def replay(commit: rewind.Commit) -> None:
+            for task, ids in commit.ids.items():
+                items = [BatchItem(Entry(buffer.keys.groups(task), GROUPS, task, i, {}), None) for i in ids]  # type: ignore[arg-type]
+                buffer.commit(Batch(task, items), commit.step)
+
+        rewind.check(buffer.client, buffer.keys, url, who, buffer.consumer, self.commits, replay)
 
     def keep_fresh(self) -> None:
         """Keep the groups this reader holds (read, not yet committed, expired or
@@ -188,7 +237,11 @@ class BatchReader:
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         batches = {task: Batch(task) for task in self.quota}
-        result = TrainBatch(train_step, batches, _buffer=self.buffer, _redis=self.plan.redis)
+        self.check_rewind()
+        result = TrainBatch(
+            train_step, batches, _buffer=self.buffer, _redis=self.plan.redis, _reader=self,
+            _replays=self.commits.replays,
+        )  # fmt: skip
         threshold = self.plan.stale_threshold
         self.keep_fresh()
 
@@ -280,3 +333,9 @@ class BatchReader:
             self.buffer.discard(item, train_step=train_step)
         else:
             self.buffer.expire(item, train_step=train_step)
+
+
+def _who(buffer: ReplayBuffer, settings: RedisSettings | None) -> tuple[str, str]:
+    """(trainer <consumer>, the Redis URL without its password): a rewind's message."""
+    url = redact_url(settings.url) if settings is not None else "Redis"
+    return f"trainer {buffer.consumer}", url

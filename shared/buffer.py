@@ -330,7 +330,14 @@ class ReplayBuffer(Feeding, PendingEntries):
         if len(entries) < count:
             entries += self.reclaim(GROUPS, task, count - len(entries))
         if len(entries) < count:
-            entries += self.streams.read([GROUPS], task, count - len(entries), block_ms=block_ms)
+            held = set(self._held_ids(self.keys.groups(task)))
+            # a group this reader holds already, delivered again as new: Redis lost the read
+            # that gave it (a crash or failover, shared/rewind.py); it is in a batch already
+            entries += [
+                e
+                for e in self.streams.read([GROUPS], task, count - len(entries), block_ms=block_ms)
+                if e.id not in held
+            ]
         self.hold(entries)
         batch = Batch(task)
         for entry in entries:

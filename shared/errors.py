@@ -13,6 +13,7 @@ RollstreamError
 ├── FormatError            an entry or run written in a stream-format major version we do not read
 ├── CorruptValueError      a state or progress hash field holding what rollstream never writes there
 ├── RunLost                the run's data is gone from Redis (emptied, restarted empty, another run)
+│   └── RunRewound         Redis lost committed train steps (a failover or crash that lost writes)
 ├── WaitTimeout            what a process waited for did not come in time
 ├── FeederError            the feeder cursor disagrees with this feeder (another one runs)
 ├── IntegrationError       an outside trainer's adapter cannot go on with what it was given
@@ -64,6 +65,15 @@ class RunLost(RollstreamError):
     existed: it was emptied, restarted without its data, or holds another run of the name.
     The process stops instead of starting the run again at step 0; the message says what
     was lost and how to go on."""
+
+
+class RunRewound(RunLost):
+    """Redis holds the run, but behind steps that were committed in it: the trainer
+    committed train step N and Redis now says an earlier one (a failover to a replica
+    that lacked the writes, a crash within the append-only file's fsync second, an older
+    copy of the data). The trainer puts back exactly what it still holds; when it cannot,
+    every process stops instead of training on a run whose records no longer match what
+    the model learned (shared/rewind.py)."""
 
 
 class RunStopped(RollstreamError):

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 import redis
 
+from rollstream.shared import rewind
 from rollstream.shared.codec import FORMAT_VERSION, check_format
 from rollstream.shared.errors import CorruptValueError, RollstreamError, RunLost
 from rollstream.shared.keys import (
@@ -49,9 +50,13 @@ STOP = "stop"
 # The events `rollstream pause | resume | stop` publish
 CONTROL_EVENTS = (PAUSE, RESUME, STOP)
 # HSET field to the new value only when it is larger: steps never move backwards
+# ARGV: field, step, the run id this process knows ('' none), the last step this process
+# recorded ('' none). -1: another run; -2 - current: the state is behind that last step
+# (Redis lost a commit: shared/rewind.py); 0: recorded (or a later step already was).
 _ADVANCE = """
-if ARGV[3] and redis.call('HGET', KEYS[1], 'run_id') ~= ARGV[3] then return -1 end
+if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'run_id') ~= ARGV[3] then return -1 end
 local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
+if ARGV[4] ~= '' and current < tonumber(ARGV[4]) then return -2 - current end
 if tonumber(ARGV[2]) > current then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 return 0
 """
@@ -145,16 +150,25 @@ class RunControl:
         """The last committed train step; CorruptValueError if the state holds something else."""
         return stored_step(self.client.hget(self.keys.state, TRAIN_STEP), self.keys.state, TRAIN_STEP)
 
-    def advance_train_step(self, step: int) -> None:
+    def advance_train_step(self, step: int, who: str = "this trainer", url: str = "Redis") -> None:
         """Record ``step`` as committed unless a later one already is; RunLost, writing
-        nothing, when the run this process started in is no longer the state's."""
+        nothing, when the run this process started in is no longer the state's, and
+        RunRewound (the run marked) when the state is behind a step this process recorded
+        before (Redis lost that commit: shared/rewind.py)."""
         known = _KNOWN_RUNS.get(self.client, {}).get(self.keys.run)
-        args = (TRAIN_STEP, step) if known is None else (TRAIN_STEP, step, known)
-        if self.client.eval(_ADVANCE, 1, self.keys.state, *args) == -1:
+        previous = rewind.recorded_step(self.client, self.keys.run)
+        args = (TRAIN_STEP, step, known or "", "" if previous is None else previous)
+        answer = int(self.client.eval(_ADVANCE, 1, self.keys.state, *args))
+        if answer == -1:
             raise RunLost(
                 f"run {self.keys.run!r}: Redis no longer holds run id {known} ({self.keys.state} lost it): "
                 f"train step {step} was not recorded"
             )
+        if answer <= -2:
+            assert previous is not None
+            raise rewind.rewound(self.client, self.keys, url, who, -2 - answer, previous,
+                                 f"train step {step} was not recorded")  # fmt: skip
+        rewind.note_recorded(self.client, self.keys.run, step)
 
     def paused(self) -> bool:
         return self.client.hget(self.keys.state, PAUSED) == b"1"

@@ -75,6 +75,7 @@ REPLICATED = "replicated"  # a counter the trainer bumps before each WAIT (redis
 PRODUCER_BEAT = "producer:"  # + a producer's name: its heartbeat JSON (model_step, inflight, ts)
 RUN_ID = "run_id"  # the run's identity, made once by its first process: a Redis that lost it shows
 RUN_LOST = "lost"  # set by the process that found the run's data gone: what was lost (JSON)
+REWOUND = "rewound"  # set by the trainer that found committed steps gone (shared/rewind.py): JSON
 
 
 class Count(StrEnum):

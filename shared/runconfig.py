@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import redis
 
+from rollstream.shared import rewind
 from rollstream.shared.allocation import allocate_batch_sizes
 from rollstream.shared.codec import FORMAT_VERSION, check_format
-from rollstream.shared.errors import RunLost, RunSettingsMismatch, SettingsError
-from rollstream.shared.keys import FORMAT, RUN_ID, RUN_LOST, RUN_SETTINGS, TRAIN_STEP, Keys
+from rollstream.shared.errors import RunLost, RunRewound, RunSettingsMismatch, SettingsError
+from rollstream.shared.keys import FORMAT, REWOUND, RUN_ID, RUN_LOST, RUN_SETTINGS, TRAIN_STEP, Keys
 from rollstream.shared.settings import Settings
 from rollstream.shared.settings_errors import ENV_PREFIX, redact_url
 
@@ -139,9 +140,11 @@ def run_identity(
     raises RunLost. So does a run without an id (or with another one) when ``known``
     says which id it had: ``known_by`` says who knew (the trainer's own record), so
     a Redis restarted empty is never taken for a new run behind the user's back."""
-    marker = _text(client.hget(keys.state, RUN_LOST))
+    marker, wound = client.hmget(keys.state, [RUN_LOST, REWOUND])
     if marker is not None:
-        raise RunLost(_marked_lost(keys, url, marker))
+        raise RunLost(_marked_lost(keys, url, _text(marker) or ""))
+    if wound is not None:
+        raise RunRewound(_marked_rewound(keys, url, wound))
     current = _text(client.hget(keys.state, RUN_ID))
     if known is not None and current != known:
         raise RunLost(lost_message(keys, url, known, current, known_by))
@@ -159,9 +162,12 @@ def check_run_identity(client: redis.Redis, keys: Keys, url: str, known: str, wh
     """RunLost when Redis no longer holds run id ``known`` (what this process saw at its
     start); the run is then marked lost in the state, so that no process restarted by a
     supervisor starts it again at step 0."""
-    current, marker = (_text(v) for v in client.hmget(keys.state, [RUN_ID, RUN_LOST]))
+    raw_id, raw_lost, wound = client.hmget(keys.state, [RUN_ID, RUN_LOST, REWOUND])
+    current, marker = _text(raw_id), _text(raw_lost)
     if marker is not None:  # another process found the run lost (this one may be in a new run of it)
         raise RunLost(_marked_lost(keys, url, marker))
+    if wound is not None and current == known:  # the trainer found committed steps gone
+        raise RunRewound(_marked_rewound(keys, url, wound))
     if current == known:
         return
     message = lost_message(keys, url, known, current, f"{who}, which started in it")
@@ -195,6 +201,13 @@ def _marked_lost(keys: Keys, url: str, marker: str) -> str:
     return (
         f"{what} (marked lost in {keys.state} field {RUN_LOST!r} at {redact_url(url)}; to start the run "
         f"afresh there: `redis-cli -u <redis.url> DEL {keys.state}`)"
+    )
+
+
+def _marked_rewound(keys: Keys, url: str, wound: Any) -> str:
+    return (
+        f"{rewind.marked(wound)} (marked in {keys.state} field {REWOUND!r} at {redact_url(url)}; "
+        "`rollstream steps --train-step N --yes` clears it)"
     )
 
 
