@@ -104,7 +104,7 @@ def run_scenario(
         settled=settled,
         fault_at_step=chaos.fault_step,
         trainer_steps_done_lines=_count(out / "trainer.log", " steps done"),
-        run_lost_lines=_count(out / "trainer.log", "Redis lost its latest writes"),
+        rewound_lines={p.stem: n for p in sorted(out.glob("*.log")) if (n := _count(p, " went backwards: "))},
         recovery_s=round(chaos.recovered_at - t0, 1) if chaos.recovered_at and t0 else None,
         primary_before=chaos.primary_before,
         primary_after=chaos.primary_after,

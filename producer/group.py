@@ -15,6 +15,7 @@ was taken over by another producer meanwhile: nothing written).
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import threading
 import time
@@ -55,6 +56,8 @@ __all__ = [
 
 COMPLETED, FILTERED, ABORTED, FAILED, FENCED = "completed", "filtered", "aborted", "failed", "fenced"
 DYNAMIC_TIMEOUT_AFTER = 8  # groups seen before the dynamic per-attempt timeout applies
+ENGINES_DOWN_SAY_S = 30.0  # while no engine is reachable, a warning this often
+log = logging.getLogger(__name__)
 SAMPLING_META = "sampling"  # a prompt's own temperature / top_p, over the producer's (prompt_sampling)
 
 
@@ -122,6 +125,8 @@ class GroupRunner:
         queue_key = rq_judge.queue.key if rq_judge is not None else None
         self.judge_failures = JudgeFailures(buffer.client, buffer.keys, buffer.consumer, queue_key)
         self.retries = 0
+        self._down_said = -ENGINES_DOWN_SAY_S  # when "no engine is reachable" was said last
+        self._sleep = asyncio.sleep  # the wait for an engine (a test's clock replaces it)
         self.window = Window()  # what completed groups brought since the last metrics record
 
     async def run(self, claim: Claim, start_step: int | None = None) -> str:
@@ -177,7 +182,10 @@ class GroupRunner:
 
     async def generate(self, claim: Claim) -> list[Sample]:
         """The group's n samples: fresh, or the partial ones continued, by the agent.
-        Retries a failed or timed-out attempt on another engine, up to max_attempts."""
+        Retries a failed or timed-out attempt on another engine, up to max_attempts. An
+        attempt that failed because no engine is reachable at all (every one cooling down
+        after its node went away) is not counted: the group waits for an engine, instead
+        of being dead-lettered in milliseconds for what is not its fault."""
         n = self.group_size(claim.task)
         prompt_ids = self.tokenizer.encode(claim.prompt.prompt)
         max_tokens = self.producer.max_tokens
@@ -193,8 +201,10 @@ class GroupRunner:
         sampling = prompt_sampling(claim.prompt, self.producer)
         avoid: list[int] = []
         last_error = ""
-        for attempt in range(1, self.max_attempts + 1):
-            request_id = f"{claim.group_id}#{claim.entry.id}#{attempt}"
+        attempt, tries = 0, 0
+        while attempt < self.max_attempts:
+            attempt, tries = attempt + 1, tries + 1
+            request_id = f"{claim.group_id}#{claim.entry.id}#{tries}"
             rollout = Rollout(
                 claim.prompt,
                 prompt_ids,
@@ -215,9 +225,23 @@ class GroupRunner:
                 # process goes on with them until it is told (a request it finished ignores it)
                 if len(rollout.issued) > 1:
                     await self.pool.abort(rollout.issued)
+                down_s = self.pool.all_down()
+                if down_s is not None:  # no engine reachable: wait for one, charging no attempt
+                    attempt -= 1
+                    avoid.clear()
+                    self._engines_down(down_s, last_error)
+                    await self._sleep(down_s)
             finally:
                 self.rollouts.discard(rollout)
         raise GroupFailed(f"{self.max_attempts} attempts, last: {last_error}")
+
+    def _engines_down(self, wait_s: float, error: str) -> None:
+        """Say, at most every ENGINES_DOWN_SAY_S, that groups wait for an engine."""
+        now = time.monotonic()
+        if now - self._down_said >= ENGINES_DOWN_SAY_S:
+            self._down_said = now
+            log.warning("no engine is reachable (last: %s): groups wait for one (next try in %.1f s), "
+                        "spending none of their buffer.max_attempts", error, wait_s)  # fmt: skip
 
     def group_size(self, task: str) -> int:
         """Task ``task``'s n, responses per prompt."""

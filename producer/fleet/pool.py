@@ -104,6 +104,16 @@ class BasePool:
         wait = min(COOLDOWN_MAX_S, wait * 2)
         self.cooling[index] = (time.monotonic() + wait, wait)
 
+    def all_down(self) -> float | None:
+        """When the last call to every serving engine found it unreachable (its node gone,
+        restarting; none has served since), the seconds until the first one's cool-down ends
+        (0 when one has ended), else None: a group that failed then was not at fault, and
+        waits instead of spending attempts."""
+        ends = [self.cooling[i][0] for i in self.serving() if i in self.cooling]
+        if not ends or len(ends) < len(self.serving()):
+            return None
+        return max(0.0, min(ends) - time.monotonic())
+
     def serving(self) -> list[int]:
         """The engines that take work: all but those retired."""
         return [i for i in range(len(self.outstanding)) if i not in self.retired]
