@@ -164,6 +164,7 @@ class ReferenceTrainer:
             try:
                 return self.reader.get_batch(step, timeout_s=1.0, min_wait_num=full)
             except BatchTimeout:
+                self.reader.check_rewind()  # Redis lost a commit of this trainer's: put back, or stop
                 self._publish_lost_sync()
                 continue  # what was read stays with the reader; look at stop, wait on
         return None

@@ -119,7 +119,7 @@ def check(
     if kept is not None and commits is not None:
         commits.replays += 1
     why = _replay(client, keys, consumer, kept, replay) if kept is not None and replay else (
-        f"this trainer no longer holds what steps {stored + 1}-{recorded} trained (it keeps its last "
+        f"this trainer no longer holds what {_steps(stored + 1, recorded)} trained (it keeps its last "
         f"{KEEP_COMMITS} commits)"
     )  # fmt: skip
     if not why:
@@ -187,7 +187,7 @@ def rewound(
     message = (
         f"run {keys.run!r} went backwards: Redis at {url} holds train_step {stored}, but {who} "
         f"committed train step {recorded} there and saw it acknowledged. Redis lost acknowledged "
-        f"writes: steps {stored + 1}-{recorded} (a failover to a replica that lacked them, replication "
+        f"writes: {_steps(stored + 1, recorded)} (a failover to a replica that lacked them, replication "
         "being asynchronous: set redis.wait_replicas >= 1 and min-replicas-to-write on the data nodes; "
         "or a crash within the append-only file's fsync second; or an older copy of its data)"
         + (f"; {why}" if why else "")
@@ -202,6 +202,10 @@ def rewound(
     except redis.RedisError as exc:  # said; the error below stops this process anyway
         log.warning("could not mark run %r rewound in %s: %s", keys.run, keys.state, exc)
     return RunRewound(message)
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def marked(value: bytes | str | None) -> str | None:
