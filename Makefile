@@ -86,7 +86,8 @@ hosts-chaos: $(DEV)
 	$(PY) -m chaos.hosts_run --all --out bench/results/hosts-chaos
 
 # `make test` answers in minutes: everything but the heavy tier (real vLLM, the chaos
-# smoke, the learning smokes, the benchmarks at smoke size). `make test-all` runs every test;
+# smoke, the learning smokes, the benchmarks at smoke size). `make test-all` runs every test
+# and names the 30 slowest (the heavy tier's budget: CI's whole run must stay under an hour);
 # CI runs it.
 # It runs on TEST_WORKERS pytest-xdist workers (4 on a 2-core machine: most tests wait on the
 # processes they start); TEST_WORKERS=0 runs it in one process.
@@ -95,7 +96,7 @@ test: $(DEV) $(TREE)
 	$(PY) -m pytest -m "not heavy" -n $(TEST_WORKERS)
 
 test-all: $(DEV) $(TREE)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30
 
 # mypy through tools/typecheck.py: plain mypy does not follow pyproject.toml's package-dir
 # mapping (shared/ is rollstream.shared), the script hands mypy each file by its module name.
