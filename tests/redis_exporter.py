@@ -16,6 +16,7 @@ import pytest
 
 from rollstream.shared.embedded import free_port
 from tests.conftest import CI
+from tests.helpers import wait_for
 
 # name -> the labels of its own (beyond job and instance) that the exporter gives it
 EXPORTER_METRICS: dict[str, frozenset[str]] = {
@@ -65,6 +66,15 @@ class Exporter:
             stderr=subprocess.STDOUT,
         )
         self.url = f"http://127.0.0.1:{self.port}/metrics"
+        wait_for(self.serving, 60, 0.2)
+
+    def serving(self) -> bool:
+        """Its port answers /metrics (it listens some moments after it starts)."""
+        try:
+            self.scrape()
+        except OSError:
+            return False
+        return True
 
     def scrape(self) -> str:
         assert self.proc.poll() is None, "the exporter exited: see its log"

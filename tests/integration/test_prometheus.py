@@ -58,14 +58,18 @@ def get(url: str) -> Any:
 class Prometheus:
     """A Prometheus server of the test's own: its config, its data, its port."""
 
-    def __init__(self, binary: str, tmp: Path, targets: dict[str, int]) -> None:
+    def __init__(self, binary: str, tmp: Path, targets: dict[str, int], rules: Path | None = None) -> None:
+        """One job per target; with ``rules``, a rule file evaluated every second."""
         self.port = free_port()
         jobs = "".join(
             f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
             for job, port in targets.items()
         )
+        evaluated = "" if rules is None else f"  evaluation_interval: 1s\nrule_files: ['{rules}']\n"
         config = tmp / "prometheus.yml"
-        config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n{jobs}")
+        config.write_text(
+            f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n{evaluated}scrape_configs:\n{jobs}"
+        )
         self.log = (tmp / "prometheus.log").open("wb")
         self.proc = subprocess.Popen(
             [
