@@ -33,6 +33,7 @@ from tests.redis_exporter import (
     exporter_binary,
 )
 from tests.unit.test_alert_rules import RULES, WATCHDOG, rules
+from tests.unit.test_dashboard import DASHBOARD, queries
 
 pytestmark = pytest.mark.integration
 
@@ -195,6 +196,11 @@ def test_no_alert_fires_over_a_healthy_formation(
             assert want <= jobs, (name, jobs)
         for target in get(f"{prometheus.url}/api/v1/targets")["data"]["activeTargets"]:
             assert target["health"] == "up", target
+        # the dashboard's Redis panels show this primary and its replica
+        for expr in queries(json.loads(DASHBOARD.read_text()), variables=False):
+            if "$redis" in expr:
+                promql = expr.replace("$redis", ".*").replace("$__rate_interval", "1m")
+                assert prometheus.query(promql), expr
 
         for proc in procs.values():  # each stops on SIGTERM, with 0
             proc.send_signal(signal.SIGTERM)
