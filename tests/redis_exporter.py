@@ -7,6 +7,7 @@ from memory fails there, not in production."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import urllib.request
@@ -54,14 +55,17 @@ def exporter_binary() -> str:
 
 
 class Exporter:
-    """A Redis exporter of the test's own, for one Redis, on a free port; stopped by its
-    handle (SIGTERM)."""
+    """A Redis exporter of the test's own, for one Redis, on a free port, given the
+    password through its environment as every layout gives it; stopped by its handle
+    (SIGTERM)."""
 
-    def __init__(self, redis_url: str, log: Path) -> None:
+    def __init__(self, redis_url: str, log: Path, password: str = "") -> None:
         self.port = free_port()
         self.log = log.open("wb")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REDIS_")}
         self.proc = subprocess.Popen(
             [exporter_binary(), f"-redis.addr={redis_url}", f"-web.listen-address=127.0.0.1:{self.port}"],
+            env={**env, "REDIS_PASSWORD": password} if password else env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -42,17 +43,24 @@ LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="')
 EVALUATIONS = 30  # rule evaluations (one a second) the formation runs healthy through
 
 
+PASSWORD = secrets.token_hex(24)
+
+
 @pytest.fixture
 def replicated(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, EmbeddedRedis]]:
-    """A primary with an append-only file and a maxmemory, as deploy/redis.conf sets them,
-    and a replica of it that has caught up."""
+    """A primary with an append-only file, a maxmemory and a password, as deploy/redis.conf
+    and the layouts set them, and a replica of it that has caught up."""
     primary, replica = EmbeddedRedis().start(), EmbeddedRedis().start()
     try:
         to_primary = redis.Redis(port=primary.port)
         to_primary.config_set("maxmemory", "1gb")
         to_primary.config_set("appendonly", "yes")
+        to_primary.config_set("requirepass", PASSWORD)
         to_replica = redis.Redis(port=replica.port)
+        to_replica.config_set("masterauth", PASSWORD)
         to_replica.replicaof("127.0.0.1", primary.port)
+        to_replica.config_set("requirepass", PASSWORD)
+        to_replica = redis.Redis(port=replica.port, password=PASSWORD)
         wait_for(lambda: to_replica.info("replication")["master_link_status"] == "up", timeout=60)
         to_primary.close()
         to_replica.close()
@@ -73,14 +81,15 @@ def served(text: str) -> dict[str, set[str]]:
 def test_the_exporter_serves_every_name_the_rules_and_dashboard_use(
     replicated: tuple[EmbeddedRedis, EmbeddedRedis], tmp_path: Path
 ) -> None:
-    exporters = [Exporter(r.url, tmp_path / f"exporter-{i}.log") for i, r in enumerate(replicated)]
+    exporters = [Exporter(r.url, tmp_path / f"exporter-{i}.log", PASSWORD) for i, r in enumerate(replicated)]
     try:
         # the primary's exporter sees its replica once the replica has acknowledged
         on_primary = wait_for(
             lambda: (s := served(exporters[0].scrape())).get("redis_connected_slave_offset_bytes") and s,
             timeout=60,
         )
-        on_replica = served(exporters[1].scrape())
+        texts = [exporter.scrape() for exporter in exporters]
+        on_replica = served(texts[1])
     finally:
         for exporter in exporters:
             exporter.stop()
@@ -90,6 +99,8 @@ def test_the_exporter_serves_every_name_the_rules_and_dashboard_use(
         assert labels <= where[name], (name, sorted(where[name]))
     assert not set(ON_PRIMARY_WITH_REPLICA) & set(on_replica)
     assert set(on_primary["redis_up"]) == set()  # nothing but job and instance, as the rules join
+    # each reached its Redis with the password from its environment
+    assert all(re.search(r"^redis_up 1$", text, re.MULTILINE) for text in texts)
     # not vacuous: a name from memory that the exporter does not serve is not in it
     assert "redis_memory_max_bytes" in on_primary and "redis_maxmemory_bytes" not in on_primary
 
@@ -121,7 +132,7 @@ def test_no_alert_fires_over_a_healthy_formation(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLSTREAM_", "RAY_ADDRESS", "PORT"))}
     env.update(
         ROLLSTREAM_RUN=run_name,
-        ROLLSTREAM_REDIS__URL=primary.url,
+        ROLLSTREAM_REDIS__URL=primary.url.replace("redis://", f"redis://:{PASSWORD}@"),
         ROLLSTREAM_TASKS='[{"name": "math", "n": 2}]',
         ROLLSTREAM_ROLLOUT__BATCH_SIZE="4",
         ROLLSTREAM_ENGINES__COUNT="2",
@@ -140,7 +151,7 @@ def test_no_alert_fires_over_a_healthy_formation(
     )
     assert fed.returncode == 0, fed.stderr[-2000:]
 
-    exporters = [Exporter(r.url, tmp_path / f"exporter-{i}.log") for i, r in enumerate(replicated)]
+    exporters = [Exporter(r.url, tmp_path / f"exporter-{i}.log", PASSWORD) for i, r in enumerate(replicated)]
     ports.update(redis_primary=exporters[0].port, redis_replica=exporters[1].port)
     prometheus = Prometheus(binary, tmp_path, ports, rules=RULES)
     commands = {
