@@ -26,14 +26,17 @@ $(BASE): pyproject.toml
 # and torchcodec, which vLLM does not need for text models and whose torchvision breaks
 # transformers' Llama import (operator torchvision::nms does not exist): remove them.
 # A real Prometheus server scrapes a formation in tests/integration/test_prometheus.py, and
-# sends alerts to a real Alertmanager in test_alertmanager.py: Debian's packages, installed
+# sends alerts to a real Alertmanager in test_alertmanager.py; test_alerts_live.py runs the
+# alert rules over a formation with the Redis exporter that every layout runs beside Redis
+# (prometheus-redis-exporter): Debian's packages, installed
 # here when one is missing and apt-get may be used (root, or sudo without a password);
 # elsewhere those tests are skipped (in CI they fail). So are the Docker engine, Compose and
 # debootstrap of the Compose run (tests/integration/test_compose_run.py: a dockerd of its
 # own, started with --iptables=false and stopped by its PID; installing docker.io starts
 # none where there is no init system, as in CI's containers).
-DEBS := prometheus prometheus-alertmanager docker.io docker-compose debootstrap
-HAVE_DEBS := (command -v prometheus && command -v prometheus-alertmanager && command -v dockerd && \
+DEBS := prometheus prometheus-alertmanager prometheus-redis-exporter docker.io docker-compose debootstrap
+HAVE_DEBS := (command -v prometheus && command -v prometheus-alertmanager && \
+  command -v prometheus-redis-exporter && command -v dockerd && \
   command -v docker-compose && command -v debootstrap) >/dev/null
 $(DEV): $(BASE)
 	$(PY) -m pip install --quiet torch==2.13.0

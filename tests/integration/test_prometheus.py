@@ -58,14 +58,18 @@ def get(url: str) -> Any:
 class Prometheus:
     """A Prometheus server of the test's own: its config, its data, its port."""
 
-    def __init__(self, binary: str, tmp: Path, targets: dict[str, int]) -> None:
+    def __init__(self, binary: str, tmp: Path, targets: dict[str, int], rules: Path | None = None) -> None:
+        """One job per target; with ``rules``, a rule file evaluated every second."""
         self.port = free_port()
         jobs = "".join(
             f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
             for job, port in targets.items()
         )
+        evaluated = "" if rules is None else f"  evaluation_interval: 1s\nrule_files: ['{rules}']\n"
         config = tmp / "prometheus.yml"
-        config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n{jobs}")
+        config.write_text(
+            f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n{evaluated}scrape_configs:\n{jobs}"
+        )
         self.log = (tmp / "prometheus.log").open("wb")
         self.proc = subprocess.Popen(
             [
@@ -226,15 +230,17 @@ def test_prometheus_scrapes_a_formation_and_promql_sees_the_run(
         assert (prometheus.scalar(tokens) or 0) > 0
 
         # every query of the Grafana dashboard is valid PromQL on this run's series
+        # (but the Redis panels': no exporter here, test_alerts_live.py runs them with one)
         dashboard = json.loads(DASHBOARD.read_text())
+        ours = [expr for expr in queries(dashboard, variables=False) if "$redis" not in expr]
         empty = []
-        for expr in queries(dashboard, variables=False):
+        for expr in ours:
             promql = expr.replace("$run", run_name).replace("$__rate_interval", "1m")
             if not prometheus.query(promql):
                 empty.append(expr)
         # a run on sim engines without a policy has no KL, ratios or loss, no judge failures,
         # expiry, outages or engine actors (local engines); the rest shows
-        assert len(empty) < len(queries(dashboard, variables=False)) / 2, empty
+        assert len(empty) < len(ours) / 2, empty
 
         procs["metrics"].send_signal(signal.SIGTERM)
         assert procs["metrics"].wait(timeout=60) == 0, said("metrics")

@@ -2,8 +2,10 @@
 unit tests (alerts.test.yml: each alert fires on series made for it, and not before its
 `for:` nor on healthy series), the Prometheus configs that load them pass `promtool check
 config` (which loads the rules through their paths), and every metric and label the rules
-name is one the code exports. promtool comes with Debian's prometheus package (`make test`
-installs it where it can): its tests are skipped where it is missing, failing in CI."""
+name is one the code exports, or the Redis exporter beside Redis (tests/redis_exporter.py,
+whose names tests/integration/test_redis_exporter.py checks against the real exporter).
+promtool comes with Debian's prometheus package (`make test` installs it where it can): its
+tests are skipped where it is missing, failing in CI."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import yaml
 from rollstream.consumer import replication
 from rollstream.shared import runmetrics, telemetry
 from tests.conftest import CI
+from tests.redis_exporter import EXPORTER_LABELS, EXPORTER_METRICS
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES = DEPLOY / "prometheus" / "alerts.yml"
@@ -27,6 +30,7 @@ RULE_TESTS = DEPLOY / "prometheus" / "alerts.test.yml"
 CONFIGS = (DEPLOY / "prometheus.yml", DEPLOY / "compose" / "prometheus.yml")
 COMPOSE = DEPLOY / "compose" / "compose.yaml"
 NAME = re.compile(r"\brollstream_[a-z0-9_]+\b")
+REDIS_NAME = re.compile(r"\bredis_[a-z0-9_]+\b")
 # a label a rule groups or matches by: `by (a, b)`, `on (a)`, `without (a)`, `{a="..."}`
 GROUPING = re.compile(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)")
 MATCHER = re.compile(r"[{,]\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
@@ -119,6 +123,10 @@ def test_every_metric_the_rules_use_is_one_the_code_exports() -> None:
     assert len(used) >= 10, used
     # as a scrape shows them: counters with _total, histograms' _bucket, _sum and _count
     assert not used - exported, sorted(used - exported)
+    # the Redis exporter's, as tests/redis_exporter.py knows them (checked against the real one)
+    from_exporter = {name for rule in rules() for name in REDIS_NAME.findall(rule["expr"])}
+    assert len(from_exporter) >= 6, from_exporter
+    assert not from_exporter - set(EXPORTER_METRICS), sorted(from_exporter - set(EXPORTER_METRICS))
     # and by the code's own text, each name without those suffixes (the streams' and the
     # progress counters' names are made from the keys' kinds and counters)
     code = code_text()
@@ -137,7 +145,7 @@ def test_every_label_the_rules_use_is_one_the_code_gives() -> None:
         for text in rule["annotations"].values():
             used |= set(TEMPLATE_LABEL.findall(text))
     assert {"run", "task", "role", "instance", "engine", "reason"} <= used, used
-    unknown = {label for label in used - TARGET_LABELS if f'"{label}"' not in code}
+    unknown = {label for label in used - TARGET_LABELS - EXPORTER_LABELS if f'"{label}"' not in code}
     assert not unknown, unknown
     # the reasons matched are the ones consumer/replication.py counts
     counted = set(re.findall(r'replicas_failed\("([a-z_]+)"\)', Path(replication.__file__).read_text()))
@@ -145,11 +153,20 @@ def test_every_label_the_rules_use_is_one_the_code_gives() -> None:
     assert reasons == counted == set(telemetry.REPLICA_WAIT_REASONS) == {"behind", "lost_commit"}
 
 
+def about_a_run(rule: dict[str, Any]) -> bool:
+    """A rule on a run's figures names the run; one on a Redis exporter's figures or on a
+    target (one Redis serves every run on it) names the instance."""
+    return not REDIS_NAME.search(rule["expr"]) and not re.search(r"\bup\{", rule["expr"])
+
+
 def test_every_alert_says_how_bad_and_where_and_is_tested() -> None:
     tested: dict[str, bool] = {}
+    quiet: set[str] = set()  # a check in alerts.test.yml where it does not fire
     for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
         for check in case.get("alert_rule_test", []):
             tested[check["alertname"]] = tested.get(check["alertname"], False) or bool(check["exp_alerts"])
+            if not check["exp_alerts"]:
+                quiet.add(check["alertname"])
     names = [rule["alert"] for rule in rules()]
     assert len(names) == len(set(names))
     for rule in rules():
@@ -161,8 +178,11 @@ def test_every_alert_says_how_bad_and_where_and_is_tested() -> None:
             assert rule["labels"]["severity"] == "none" and rule["expr"] == "vector(1)"
             continue
         assert rule["labels"]["severity"] in SEVERITIES, name
+        assert name in quiet, f"{name}: no test in alerts.test.yml where it does not fire"
         assert set(rule["annotations"]) == {"summary", "description"}, name
-        if "absent(" not in rule["expr"]:  # absent() has no run to name
+        if not about_a_run(rule):
+            assert "$labels.instance" in rule["annotations"]["summary"], name
+        elif "absent(" not in rule["expr"]:  # absent() has no run to name
             assert "$labels.run" in rule["annotations"]["summary"], name
             assert "$labels.run" in rule["annotations"]["description"], name
         if re.search(r"sum by \(run, task\)", rule["expr"]):

@@ -1,6 +1,7 @@
 """The Grafana dashboard (deploy/grafana): every metric its queries use is one the code
-exports, with the labels the code gives, and the panels an operator looks for are there.
-tests/integration/test_prometheus.py runs each query on a real Prometheus."""
+exports (or the Redis exporter beside Redis: tests/redis_exporter.py), with the labels
+they give, and the panels an operator looks for are there. tests/integration/
+test_prometheus.py runs each query on a real Prometheus, test_alerts_live.py the Redis ones."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from typing import Any
 import yaml
 
 from rollstream.shared import runmetrics, telemetry
+from tests.redis_exporter import EXPORTER_LABELS, EXPORTER_METRICS
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "rollstream.json"
 NAME = re.compile(r"\brollstream_[a-z0-9_]+\b")
-# the labels the code gives (and Prometheus' own: job, instance; histograms' le)
-LABELS = {"run", "task", "role", "engine", "outcome", "set", "le", "job", "instance"}
+REDIS_NAME = re.compile(r"\bredis_[a-z0-9_]+\b")
+# the labels the code gives (and Prometheus' own: job, instance; histograms' le), and the
+# Redis exporter's
+LABELS = {"run", "task", "role", "engine", "outcome", "set", "le", "job", "instance"} | EXPORTER_LABELS
 
 
 def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
@@ -49,6 +53,26 @@ def test_every_metric_a_query_uses_is_exported() -> None:
     assert used, "no query names a rollstream metric"
     unknown = sorted(used - exported())
     assert not unknown, f"the dashboard queries metrics the code does not export: {unknown}"
+    from_exporter = {name for expr in queries(dashboard) for name in REDIS_NAME.findall(expr)}
+    assert not from_exporter - set(EXPORTER_METRICS), sorted(from_exporter - set(EXPORTER_METRICS))
+
+
+def test_the_redis_panels_are_there() -> None:
+    """Memory against maxmemory, clients, commands per second, replication lag, the
+    append-only file's status and the keys, of every Redis the exporter watches."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    used = {name for expr in queries(dashboard) for name in REDIS_NAME.findall(expr)}
+    wanted = {
+        "redis_memory_used_bytes", "redis_memory_max_bytes", "redis_connected_clients",
+        "redis_commands_processed_total", "redis_master_repl_offset", "redis_connected_slave_offset_bytes",
+        "redis_aof_last_write_status", "redis_db_keys", "redis_up",
+    }  # fmt: skip
+    assert wanted <= used, sorted(wanted - used)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["redis"]["query"]["query"] == "label_values(redis_up, instance)"
+    for expr in queries(dashboard, variables=False):
+        if REDIS_NAME.search(expr):  # every Redis query keeps to the Redis chosen
+            assert expr.count('instance=~"$redis"') == len(REDIS_NAME.findall(expr)), expr
 
 
 def test_the_check_catches_a_misspelt_name() -> None:
@@ -98,5 +122,9 @@ def test_the_provisioning_files_point_at_the_dashboard_and_prometheus() -> None:
     source = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
     assert source["datasources"][0]["type"] == "prometheus"
     scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    targets = [t for c in scrape["scrape_configs"] for s in c["static_configs"] for t in s["targets"]]
-    assert len(targets) == 8  # the Procfile's processes but redis, two producers (`-c producer=2`)
+    jobs = {
+        c["job_name"]: [t for s in c["static_configs"] for t in s["targets"]]
+        for c in scrape["scrape_configs"]
+    }
+    assert len(jobs["rollstream"]) == 8  # the Procfile's processes but redis, two producers (`-c producer=2`)
+    assert jobs["redis"] == ["127.0.0.1:9121"]  # the Redis exporter beside redis-server

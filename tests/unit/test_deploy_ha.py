@@ -140,7 +140,8 @@ def test_the_kubernetes_set_holds_together() -> None:
     ]
     assert len(pods) == 3
     containers = {c["name"]: c for c in sts["spec"]["template"]["spec"]["containers"]}
-    assert set(containers) == {"redis", "sentinel"}
+    assert set(containers) == {"redis", "sentinel", "redis-exporter"}
+    del containers["redis-exporter"]  # beside the data node (tests/unit/test_deploy_exporter.py)
     env = {name: {e["name"]: e.get("value") for e in c["env"]} for name, c in containers.items()}
     for role, values in env.items():
         assert containers[role]["command"][-1] == ("data" if role == "redis" else "sentinel")

@@ -378,8 +378,9 @@ STUBS = {
     'exec "$@"\n',
     "scontrol": "#!/bin/sh\nprintf 'node1\\nnode2\\nnode3\\n'\n",
     "hostname": "#!/bin/sh\necho 127.0.0.1\n",
-    # Redis and the Ray nodes never exit by themselves
+    # Redis, its exporter and the Ray nodes never exit by themselves
     "redis-server": "#!/bin/sh\nexec sleep 600\n",
+    "prometheus-redis-exporter": '#!/bin/sh\necho "$REDIS_PASSWORD $*" > "$EXPORTER"\nexec sleep 600\n',
     "ray": '#!/bin/sh\n[ "$1" = status ] && exit 0\nexec sleep 600\n',
     # the trainer ends at once; every other process exits 0 soon after (the run stopped)
     "rollstream": '#!/bin/sh\n[ "$1" = train ] && exit 0\n'
@@ -400,6 +401,7 @@ def test_the_slurm_job_ends_when_the_trainer_has_trained(tmp_path: Path) -> None
         "SLURM_JOB_NUM_NODES": "3",
         "SLURM_SUBMIT_DIR": str(tmp_path),
         "PORTS": str(tmp_path / "ports"),
+        "EXPORTER": str(tmp_path / "exporter"),
     }
     started = time.monotonic()
     script = str(DEPLOY / "slurm" / "rollstream.sbatch")
@@ -416,3 +418,7 @@ def test_the_slurm_job_ends_when_the_trainer_has_trained(tmp_path: Path) -> None
     served = dict(line.split() for line in (tmp_path / "ports").read_text().splitlines())
     assert set(served) == {"engines", "produce", "judge", "feed", "metrics", "archive"}
     assert len(set(served.values())) == len(served)  # each on a port of its own
+    # the Redis exporter beside Redis, on its port, with the job's password in its environment
+    password, *args = (tmp_path / "exporter").read_text().split()
+    assert len(password) == 48 and password not in args
+    assert args == ["-redis.addr", "redis://127.0.0.1:6379", "-web.listen-address", ":9121"]
