@@ -17,6 +17,7 @@ the trainer hands them back to their pools) and runs each on_weight_sync mode.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.integration
 PRODUCER = Path(__file__).resolve().parent / "foreign_producer.py"
 N, BATCH = 4, 4
 CLAIM_IDLE_MS = 1500
-LIVENESS_TTL_S = 6  # longer than claim_idle_ms: a live producer reclaims before the trainer may
+LIVENESS_TTL_S = 8  # longer than claim_idle_ms: a live producer reclaims before the trainer may
 MAX_STALENESS = 2
 THRESHOLD = MAX_STALENESS + 1  # a sync every step
 
@@ -146,10 +147,33 @@ def cli(env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
+def shown_groups(env: dict[str, str]) -> list[dict[str, Any]]:
+    """`rollstream show groups --json`: the replay buffer as rollstream's reader decodes it."""
+    out = cli(env, "show", "groups", "--json", "--count", "1000")
+    return [orjson.loads(line) for line in out.splitlines()]
+
+
+def foreign_groups_shown(env: dict[str, str]) -> list[dict[str, Any]]:
+    """Waits until the page's producers have groups waiting in the replay buffer, and
+    checks that rollstream decodes each as a completed group of n samples."""
+    shown = wait_for(lambda: shown_groups(env), timeout=60, interval=0.5)
+    assert all(g["kind"] == "group" and g["status"] == "completed" for g in shown), shown[:2]
+    assert all(g["producer"].startswith("page-") and len(g["samples"]) == N for g in shown)
+    return shown
+
+
 def check_the_run(
-    client: redis.Redis, env: dict[str, str], base: str, record: Path, steps: int, junk: bytes, fed: int
+    client: redis.Redis,
+    env: dict[str, str],
+    base: str,
+    record: Path,
+    steps: int,
+    junk: bytes,
+    fed: int,
+    clean: list[str],
 ) -> dict[str, Any]:
-    """What every run of this module must show once its processes have stopped."""
+    """What every run of this module must show once its processes have stopped;
+    ``clean``: the producers that stopped on the stop event (the others were killed)."""
     reads = [e for e in map(orjson.loads, record.read_bytes().splitlines()) if e["event"] == "read"]
     commits = [
         e["step"] for e in map(orjson.loads, record.read_bytes().splitlines()) if e["event"] == "commit"
@@ -177,20 +201,15 @@ def check_the_run(
     for kind in ("aborted", "expired", "prompts"):
         assert client.xpending(f"{base}:{kind}:math", "producers")["pending"] == 0, kind
     state = client.hgetall(f"{base}:state")
-    assert not any(k.startswith(b"producer:") for k in state)
-    assert not list(client.scan_iter(f"{base}:alive:*"))
+    for name in clean:
+        assert f"producer:{name}".encode() not in state
+        assert not client.exists(f"{base}:alive:producer:{name}")
     # `rollstream status` accounts every fed prompt
     status = orjson.loads(cli(env, "status", "--json"))
     account = status["accounts"]["math"]
     # (the feeder keeps a few prompts ahead: the run stops before it has fed them all)
     assert account["lost"] == 0 and steps * BATCH + 3 <= account["fed"] <= fed + 1, account
     assert (account["trained"], account["dead"], account["filtered"]) == (steps * BATCH, 2, 1), account
-    # `rollstream show groups` decodes what the page's producers left in the replay buffer
-    shown = [
-        orjson.loads(line) for line in cli(env, "show", "groups", "--json", "--count", "1000").splitlines()
-    ]
-    assert shown and all(g["kind"] == "group" and g["status"] == "completed" for g in shown), shown[:2]
-    assert all(g["producer"].startswith("page-") and len(g["samples"]) == N for g in shown)
     return account
 
 
@@ -245,6 +264,7 @@ def test_the_page_producers_make_the_groups_of_rollstreams_trainer(
                 tmp_path,
             )
         )
+        foreign_groups_shown(env)
         wait_for(lambda: all(p.proc.poll() is not None for p in procs), timeout=240)
     finally:
         observer.done.set()
@@ -255,7 +275,7 @@ def test_the_page_producers_make_the_groups_of_rollstreams_trainer(
     assert [p.proc.returncode for p in procs] == [0] * len(procs), {p.name: p.text()[-2000:] for p in procs}
     observer.join(timeout=10)
     assert observer.errors == []
-    check_the_run(client, env, base, record, steps, junk, fed)
+    check_the_run(client, env, base, record, steps, junk, fed, ["page-1", "page-2"])
     # both page producers made groups, and followed every weight sync (a sync every step)
     logs = {p.name: p.text() for p in procs}
     for name in ("page-1", "page-2"):
@@ -266,4 +286,105 @@ def test_the_page_producers_make_the_groups_of_rollstreams_trainer(
     versions = [s["versions"] for g in observer.groups("groups") for s in g["samples"]]
     assert any(len(runs) > 1 for runs in versions), "no sample continued across a weight sync"
     assert any(g["n"] > 0 for g in observer.groups("aborted"))
+    client.close()
+
+
+def train_step(client: redis.Redis, base: str) -> int:
+    return int(client.hget(f"{base}:state", "train_step") or 0)
+
+
+def kill_holding(proc: Proc, client: redis.Redis, base: str) -> list[str]:
+    """SIGKILL a page producer at a moment it holds claims; the claims it left pending."""
+    wait_for(lambda: proc.running() and pending_of(client, base, proc.name), timeout=60, interval=0.01)
+    proc.proc.send_signal(signal.SIGKILL)
+    proc.proc.wait()
+    left = pending_of(client, base, proc.name)
+    assert left, "killed between a settle and its next claim: nothing left pending"
+    return left
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", ["drain", "abort", "partial"])
+def test_the_page_producers_killed_synced_and_stopped(
+    redis_server: Any, run_name: str, tmp_path: Path, mode: str
+) -> None:
+    steps, fed = 14, 120
+    env = env_for(redis_server.url, run_name, mode)
+    base = f"rs:{{{run_name}}}"
+    client = redis.Redis.from_url(redis_server.url)
+    record = tmp_path / "record.jsonl"
+    path = prompts_file(tmp_path, fed)
+    observer = Observer(redis_server.url, run_name)
+    feed = ["feed", str(path), "--task", "math", "--epochs", "1", "--keep-ahead", "12", "--until-stopped"]
+    procs = [Proc("feeder", rollstream(*feed), env, tmp_path)]
+    try:
+        wait_for(lambda: procs[0].running() and client.hexists(f"{base}:state", "settings"), timeout=60)
+        junk = inject_junk(client, base)
+        first, second = (foreign(f"page-{i}", redis_server.url, run_name, tmp_path) for i in (1, 2))
+        procs += [first, second]
+        observer.start()
+        train = ["train", "--steps", str(steps), "--step-time", "0.3", "--stop-run", "--record", str(record)]
+        trainer = Proc("trainer", rollstream(*train), env, tmp_path)
+        procs.append(trainer)
+
+        # Given a run at step 3, a page producer killed with claims pending while the other lives
+        wait_for(lambda: trainer.running() and train_step(client, base) >= 3, timeout=120)
+        left = kill_holding(first, client, base)
+        # Then the live one takes them back (§11.9.4: every producer, at each claim), before
+        # the dead one's liveness key has expired (the trainer would then hand them back)
+        wait_for(lambda: second.running() and not pending_of(client, base, "page-1"), timeout=60)
+        reclaimed = {line.split()[1] for line in second.text().splitlines() if line.startswith("reclaimed ")}
+        assert {entry.split()[1] for entry in left} <= reclaimed, (left, second.text()[-3000:])
+
+        # When the last page producer is killed with claims pending, and none runs for a while
+        at = train_step(client, base)
+        left = kill_holding(second, client, base)
+        # Then the trainer, waiting for groups, hands them back to their pools (§11.9.4),
+        # each with the deliveries it had, once the dead producer's liveness key is gone
+        wait_for(lambda: trainer.running() and not pending_of(client, base, "page-2"), timeout=90)
+        assert "handed back" in trainer.text() and "held by producers that are gone" in trainer.text()
+        back = [
+            f
+            for kind in ("aborted", "expired", "prompts")
+            for _, f in client.xrange(f"{base}:{kind}:math")
+            if b"attempts" in f
+        ]
+        assert len(back) >= len(left) and all(int(f[b"attempts"]) >= 1 for f in back)
+        assert train_step(client, base) <= at + 2  # no producer: the trainer waits (what was made, it trains)
+
+        # And two more page producers finish the run, which the trainer's stop event ends
+        procs += [foreign(f"page-{i}", redis_server.url, run_name, tmp_path) for i in (3, 4)]
+        foreign_groups_shown(env)
+        wait_for(lambda: all(p.proc.poll() is not None for p in procs), timeout=240)
+    finally:
+        observer.done.set()
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+    codes = {p.name: p.proc.returncode for p in procs}
+    expected = {"feeder": 0, "page-1": -9, "page-2": -9, "trainer": 0, "page-3": 0, "page-4": 0}
+    assert codes == expected, {p.name: p.text()[-2000:] for p in procs}
+    observer.join(timeout=10)
+    assert observer.errors == []
+    check_the_run(client, env, base, record, steps, junk, fed, ["page-3", "page-4"])
+    logs = {p.name: p.text() for p in procs}
+    for name in ("page-3", "page-4"):
+        assert "stop event" in logs[name] and "stopped:" in logs[name], logs[name][-2000:]
+    # What a weight sync did to the groups in flight, by on_weight_sync
+    syncs = [line for name in ("page-1", "page-2", "page-3", "page-4") for line in logs[name].splitlines()]
+    handed = [
+        int(m[1])
+        for line in syncs
+        if (m := re.fullmatch(r"weight sync to \d+ \(\w+\): (\d+) handed back", line))
+    ]
+    multi = [s["versions"] for g in observer.groups("groups") for s in g["samples"] if len(s["versions"]) > 1]
+    aborted = observer.groups("aborted")
+    if mode == "drain":  # finished on the weights they started with: one version per sample
+        assert any("draining" in line for line in syncs) and not any(handed) and multi == []
+    elif mode == "abort":  # handed back with nothing, made again on the new weights
+        assert any(handed) and multi == [] and aborted and all(g["n"] == 0 for g in aborted)
+    else:  # partial: handed back with their tokens, continued on the new weights
+        assert any(handed) and multi and any(g["n"] > 0 for g in aborted)
     client.close()
