@@ -405,12 +405,11 @@ class ForeignProducer:
             if claim.prompt.get("task", task) != task:
                 raise Undecodable(f"a prompt of task {claim.prompt.get('task')!r} in a stream of {task!r}")
         except (Undecodable, KeyError, ValueError, TypeError, IndexError) as exc:
-            self.dead_letter(claim, f"undecodable pool entry: {exc!r}")
+            what = "group" if b"group_id" in fields else "prompt"
+            self.dead_letter(claim, f"undecodable {what} entry: {exc!r}")
             return
-        n = self.n[task]
-        claim.samples = claim.samples[:n]
-        while len(claim.samples) < n:
-            claim.samples.append({"ids": [], "lps": [], "vers": [], "done": False})
+        if not claim.samples:  # §11.9.3: a partial hand-back holds all n samples; else n fresh ones
+            claim.samples = [{"ids": [], "lps": [], "vers": [], "done": False} for _ in range(self.n[task])]
         for i, sample in enumerate(claim.samples):
             sample["target"] = 8 + zlib.crc32(f"{claim.uid}/{i}".encode()) % 24
         kept = sum(bool(s["ids"]) for s in claim.samples)
@@ -610,7 +609,7 @@ class ForeignProducer:
 
     def hand_back(self, claim: Claim, keep: bool) -> bool:
         """To the aborted pool, with the samples so far in partial mode (``keep``)."""
-        kept = [s for s in claim.samples if s["ids"]] if keep else []
+        kept = claim.samples if keep else []  # all n, those without a token too
         entry = self._entry(claim, "aborted", kept, claim.attempt_of_continued)
         return self.settle(claim, [(self.stream("aborted", claim.task), entry, None)], {"aborted": 1})
 

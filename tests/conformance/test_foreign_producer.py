@@ -188,7 +188,7 @@ def check_the_run(
     # the two dead letters put in on purpose, and nothing else
     dead = {f[b"source_id"]: f for _, f in client.xrange(f"{base}:dead")}
     assert len(dead) == 2 and junk in dead, dead
-    assert dead.pop(junk)[b"reason"].startswith(b"undecodable pool entry")
+    assert dead.pop(junk)[b"reason"].startswith(b"undecodable prompt entry")
     ((poisoned),) = dead.values()
     assert poisoned[b"uid"] == b"q1@0"  # the feeder's uid of q1 in its epoch 0
     assert (
