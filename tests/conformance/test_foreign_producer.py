@@ -114,11 +114,13 @@ class Observer(threading.Thread):
         return [g for key, g in self.seen.items() if key.startswith(kind) and g["kind"] == "group"]
 
 
-def prompts_file(folder: Path, count: int) -> Path:
-    """q0 is filtered by the producers' filter, q1 fails its generation for good."""
+def prompts_file(folder: Path, count: int, special: bool = True) -> Path:
+    """With ``special``, q0 is filtered by the page producers' filter and q1 fails its
+    generation for good."""
     path = folder / "prompts.jsonl"
     rows = [{"uid": f"q{i}", "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(count)]
-    rows[0]["filter"], rows[1]["poison"] = True, True
+    if special:
+        rows[0]["filter"], rows[1]["poison"] = True, True
     path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
     return path
 
@@ -155,10 +157,11 @@ def shown_groups(env: dict[str, str]) -> list[dict[str, Any]]:
 
 def foreign_groups_shown(env: dict[str, str]) -> list[dict[str, Any]]:
     """Waits until the page's producers have groups waiting in the replay buffer, and
-    checks that rollstream decodes each as a completed group of n samples."""
-    shown = wait_for(lambda: shown_groups(env), timeout=60, interval=0.5)
-    assert all(g["kind"] == "group" and g["status"] == "completed" for g in shown), shown[:2]
-    assert all(g["producer"].startswith("page-") and len(g["samples"]) == N for g in shown)
+    checks that rollstream decodes each group there as a completed group of n samples."""
+    shown = wait_for(
+        lambda: [g for g in shown_groups(env) if g["producer"].startswith("page-")], timeout=60, interval=0.5
+    )
+    assert all(g["kind"] == "group" and g["status"] == "completed" and len(g["samples"]) == N for g in shown)
     return shown
 
 
@@ -171,6 +174,7 @@ def check_the_run(
     junk: bytes,
     fed: int,
     clean: list[str],
+    special: bool = True,
 ) -> dict[str, Any]:
     """What every run of this module must show once its processes have stopped;
     ``clean``: the producers that stopped on the stop event (the others were killed)."""
@@ -185,18 +189,34 @@ def check_the_run(
     for r in reads:
         for gid, oldest in r["groups"]:
             assert 0 <= r["step"] - oldest - 1 < THRESHOLD, (r["step"], gid, oldest)
-    # the two dead letters put in on purpose, and nothing else
+    # the dead letters put in on purpose, and nothing else
     dead = {f[b"source_id"]: f for _, f in client.xrange(f"{base}:dead")}
-    assert len(dead) == 2 and junk in dead, dead
+    assert len(dead) == 1 + special and junk in dead, dead
     assert dead.pop(junk)[b"reason"].startswith(b"undecodable prompt entry")
+    assert [f[b"uid"] for _, f in client.xrange(f"{base}:filtered")] == ([b"q0@0"] if special else [])
+    if not special:
+        return check_the_account(client, env, base, steps, fed, clean, dead=1, filtered=0)
     ((poisoned),) = dead.values()
     assert poisoned[b"uid"] == b"q1@0"  # the feeder's uid of q1 in its epoch 0
     assert (
         poisoned[b"reason"].startswith(b"generation failed")
         and poisoned[b"source"] == f"{base}:prompts:math".encode()
     )
-    # the filtered prompt's record names it
-    assert [f[b"uid"] for _, f in client.xrange(f"{base}:filtered")] == [b"q0@0"]
+    return check_the_account(client, env, base, steps, fed, clean, dead=2, filtered=1)
+
+
+def check_the_account(
+    client: redis.Redis,
+    env: dict[str, str],
+    base: str,
+    steps: int,
+    fed: int,
+    clean: list[str],
+    *,
+    dead: int,
+    filtered: int,
+) -> dict[str, Any]:
+    """No claim left, the clean stops' heartbeats gone, and `rollstream status`'s account."""
     # nothing left claimed: the stops handed everything back; their heartbeats are gone
     for kind in ("aborted", "expired", "prompts"):
         assert client.xpending(f"{base}:{kind}:math", "producers")["pending"] == 0, kind
@@ -209,7 +229,9 @@ def check_the_run(
     account = status["accounts"]["math"]
     # (the feeder keeps a few prompts ahead: the run stops before it has fed them all)
     assert account["lost"] == 0 and steps * BATCH + 3 <= account["fed"] <= fed + 1, account
-    assert (account["trained"], account["dead"], account["filtered"]) == (steps * BATCH, 2, 1), account
+    assert (account["trained"], account["dead"], account["filtered"]) == (steps * BATCH, dead, filtered), (
+        account
+    )
     return account
 
 
@@ -387,4 +409,54 @@ def test_the_page_producers_killed_synced_and_stopped(
         assert any(handed) and multi == [] and aborted and all(g["n"] == 0 for g in aborted)
     else:  # partial: handed back with their tokens, continued on the new weights
         assert any(handed) and multi and any(g["n"] > 0 for g in aborted)
+    client.close()
+
+
+def test_a_page_producer_and_a_bundled_one_share_a_run(
+    redis_server: Any, run_name: str, tmp_path: Path
+) -> None:
+    """The page's producer beside `rollstream produce`: each claims what the other handed
+    back (the aborted pool in partial mode), the trainer takes groups of both."""
+    steps, fed = 10, 70
+    env = {
+        **env_for(redis_server.url, run_name, "partial"),
+        "ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION": "20",
+        "ROLLSTREAM_ENGINES__SIM__MEDIAN_TOKENS": "100",
+        "ROLLSTREAM_PRODUCER__IS_VALID": "keep_all",
+    }
+    base = f"rs:{{{run_name}}}"
+    client = redis.Redis.from_url(redis_server.url)
+    record = tmp_path / "record.jsonl"
+    path = prompts_file(tmp_path, fed, special=False)
+    observer = Observer(redis_server.url, run_name)
+    feed = ["feed", str(path), "--task", "math", "--epochs", "1", "--keep-ahead", "12", "--until-stopped"]
+    procs = [Proc("feeder", rollstream(*feed), env, tmp_path)]
+    try:
+        wait_for(lambda: procs[0].running() and client.hexists(f"{base}:state", "settings"), timeout=60)
+        junk = inject_junk(client, base)
+        procs.append(foreign("page-1", redis_server.url, run_name, tmp_path))
+        procs.append(Proc("bundled", rollstream("produce", "--local-engines"), env, tmp_path))
+        observer.start()
+        train = ["train", "--steps", str(steps), "--step-time", "0.3", "--stop-run", "--record", str(record)]
+        procs.append(Proc("trainer", rollstream(*train), env, tmp_path))
+        foreign_groups_shown(env)
+        wait_for(lambda: all(p.proc.poll() is not None for p in procs), timeout=240)
+    finally:
+        observer.done.set()
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+    assert [p.proc.returncode for p in procs] == [0] * len(procs), {p.name: p.text()[-2000:] for p in procs}
+    observer.join(timeout=10)
+    assert observer.errors == []
+    check_the_run(client, env, base, record, steps, junk, fed, ["page-1"], special=False)
+    made = observer.groups("groups")
+    assert all(g["n"] == N for g in made)
+    makers = {g["producer"] for g in made}
+    assert "page-1" in makers and any(m.startswith("producer-") for m in makers), makers
+    # the bundled producer continued groups the page's producer handed back with their tokens
+    handed = {g["group_id"] for g in observer.groups("aborted") if g["producer"] == "page-1" and g["n"] > 0}
+    continued = {g["group_id"] for g in made if g["producer"].startswith("producer-")} & handed
+    assert continued, (len(handed), makers)
     client.close()
