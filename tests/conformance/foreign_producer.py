@@ -12,7 +12,8 @@ Run as a process (the harness is tests/conformance/test_foreign_producer.py):
 It prints one line per thing it does (the harness reads them), exits 0 on the run's stop
 event and on SIGTERM (its claims handed back), 1 on what it cannot go on with (another
 format major, a progress counter that is not a number), 5 when the run is lost (§6).
-Eval prompts and sync mode are not implemented: it says so and exits 1 on a sync-mode run.
+It follows weight syncs (drain, abort, or partial through the aborted pool), pause and
+resume. Eval prompts and sync mode are not implemented: it exits 1 on a sync-mode run.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class ForeignProducer:
         self.after = newest[0][0].decode() if newest else "0-0"
         self._read_state()
         self.step = int(client.hget(self.state, "model_step") or 0)
+        self.paused = client.hexists(self.state, "paused")  # §6: claim nothing until a resume
         self.pending_sync: int | None = None  # drain: the step to move to once in-flight groups finish
         for task in self.tasks:  # §4: the five streams and their groups
             for kind in ("prompts", "evals", "aborted", "expired", "groups"):
@@ -232,7 +234,7 @@ class ForeignProducer:
             "pid": os.getpid(),
             "started": self.started,
             "ts": time.time(),
-            "detail": {"model_step": self.step, "inflight": len(self.held), "paused": False},
+            "detail": {"model_step": self.step, "inflight": len(self.held), "paused": self.paused},
         }
         self.r.set(self.alive, orjson.dumps(body), px=self.ttl_ms)
         self._status(keys=[self.state], args=[f"producer:{self.me}", self.step, len(self.held)])
@@ -277,6 +279,13 @@ class ForeignProducer:
                     continue
                 if kind == "weight_sync" and step > max(self.step, self.pending_sync or -1):
                     self.weight_sync(step)
+                elif kind == "pause" and not self.paused:  # §11.8: a sync's first half
+                    self.paused = True
+                    handed = self.hand_back_all(keep=self.mode == "partial") if self.mode != "drain" else 0
+                    say(f"paused ({self.mode}): {handed} handed back, {len(self.held)} left to finish")
+                elif kind == "resume" and self.paused:
+                    self.paused = False
+                    say("resumed")
                 elif kind == "stop":
                     say(f"stop event {self.after}")
                     self.stopping = True
@@ -622,6 +631,7 @@ class ForeignProducer:
         say(
             f"foreign producer {self.me}: started, run {self.base}, model step {self.step}, "
             f"on_weight_sync {self.mode}, claim_idle_ms {self.claim_idle_ms}"
+            + (", paused" if self.paused else "")
         )
         self.beat(now=True)
         while not self.stopping:
@@ -630,7 +640,7 @@ class ForeignProducer:
             if self.stopping:
                 break
             self.beat()
-            if self.pending_sync is None:
+            if self.pending_sync is None and not self.paused:
                 self.claim_all()
             self.generate()
             if self.pending_sync is not None and not self.held:

@@ -311,6 +311,26 @@ def test_the_page_producers_make_the_groups_of_rollstreams_trainer(
     client.close()
 
 
+def paused(client: redis.Redis, base: str, name: str) -> bool:
+    """The producer's liveness key says it is paused."""
+    raw = client.get(f"{base}:alive:producer:{name}")
+    return raw is not None and orjson.loads(raw)["detail"]["paused"] is True
+
+
+def claims_while_paused(log: str) -> list[str]:
+    """The claims a producer's log shows between a pause (or its start on a paused run)
+    and the resume after it."""
+    out, paused_now = [], False
+    for line in log.splitlines():
+        if line.startswith(("paused (", "foreign producer")):
+            paused_now = line.startswith("paused (") or "paused" in line
+        elif line == "resumed":
+            paused_now = False
+        elif paused_now and line.startswith(("claimed ", "reclaimed ")):
+            out.append(line)
+    return out
+
+
 def train_step(client: redis.Redis, base: str) -> int:
     return int(client.hget(f"{base}:state", "train_step") or 0)
 
@@ -331,7 +351,7 @@ def kill_holding(proc: Proc, client: redis.Redis, base: str) -> list[str]:
 def test_the_page_producers_killed_synced_and_stopped(
     redis_server: Any, run_name: str, tmp_path: Path, mode: str
 ) -> None:
-    steps, fed = 14, 120
+    steps, fed = 20, 160
     env = env_for(redis_server.url, run_name, mode)
     base = f"rs:{{{run_name}}}"
     client = redis.Redis.from_url(redis_server.url)
@@ -375,9 +395,26 @@ def test_the_page_producers_killed_synced_and_stopped(
         assert len(back) >= len(left) and all(int(f[b"attempts"]) >= 1 for f in back)
         assert train_step(client, base) <= at + 2  # no producer: the trainer waits (what was made, it trains)
 
-        # And two more page producers finish the run, which the trainer's stop event ends
-        procs += [foreign(f"page-{i}", redis_server.url, run_name, tmp_path) for i in (3, 4)]
+        # And two more page producers start on a paused run: they claim nothing until it resumes
+        cli(env, "pause")
+        later = [foreign(f"page-{i}", redis_server.url, run_name, tmp_path) for i in (3, 4)]
+        procs += later
+        wait_for(lambda: all(p.running() and paused(client, base, p.name) for p in later), timeout=60)
+        cli(env, "resume")
         foreign_groups_shown(env)
+        # and paused again while they generate: abort and partial hand back what runs at
+        # once (partial with its tokens), drain lets it finish; then nothing is claimed
+        wait_for(lambda: trainer.running() and train_step(client, base) >= at + 3, timeout=120)
+        assert train_step(client, base) < steps - 4, "the run is too near its end to pause it"
+        cli(env, "pause")
+        wait_for(
+            lambda: all(
+                p.running() and "paused (" in p.text() and not pending_of(client, base, p.name) for p in later
+            ),
+            timeout=60,
+        )
+        cli(env, "resume")
+        # and the run's last steps, ended by the trainer's stop event
         wait_for(lambda: all(p.proc.poll() is not None for p in procs), timeout=240)
     finally:
         observer.done.set()
@@ -394,6 +431,9 @@ def test_the_page_producers_killed_synced_and_stopped(
     logs = {p.name: p.text() for p in procs}
     for name in ("page-3", "page-4"):
         assert "stop event" in logs[name] and "stopped:" in logs[name], logs[name][-2000:]
+        assert claims_while_paused(logs[name]) == [], logs[name][-3000:]
+        (pause,) = [line for line in logs[name].splitlines() if line.startswith("paused (")]
+        assert pause.endswith(", 0 left to finish") or mode == "drain", pause
     # What a weight sync did to the groups in flight, by on_weight_sync
     syncs = [line for name in ("page-1", "page-2", "page-3", "page-4") for line in logs[name].splitlines()]
     handed = [
