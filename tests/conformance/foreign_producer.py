@@ -523,6 +523,9 @@ class ForeignProducer:
                         pipe.unwatch()
                         say(f"settle of {claim.entry_id} of {stream}: not ours any more, nothing written")
                         return False
+                    for key, _, _ in writes:  # a key of another type would fail its XADD alone
+                        if (kind := pipe.type(key).decode()) not in ("stream", "none"):
+                            raise Fatal(f"{key} holds a {kind}, not a stream: nothing settled")
                     values = pipe.hmget(self.progress, names)
                     for name, value in zip(names, values, strict=True):
                         ok = value is None or (
