@@ -235,6 +235,7 @@ def check_the_account(
     return account
 
 
+@pytest.mark.timeout(300)  # about 15 s on a quiet 2-core machine
 def test_the_page_producers_make_the_groups_of_rollstreams_trainer(
     redis_server: Any, run_name: str, tmp_path: Path
 ) -> None:
@@ -452,6 +453,7 @@ def test_the_page_producers_killed_synced_and_stopped(
     client.close()
 
 
+@pytest.mark.timeout(300)  # about 15 s on a quiet 2-core machine
 def test_a_page_producer_and_a_bundled_one_share_a_run(
     redis_server: Any, run_name: str, tmp_path: Path
 ) -> None:
