@@ -164,8 +164,9 @@ class ForeignProducer:
             raise Fatal(f"the run is in stream format {version}; this producer writes 1.0")
         if b"stopped" in state:
             raise Fatal("the run is stopped (its state has `stopped`): nothing to do", 0)
-        if b"lost" in state:
-            raise Fatal("the run is lost (its state has `lost`)", 5)
+        for mark in (b"lost", b"rewound"):  # §6: Redis lost the run, or its latest steps
+            if mark in state:
+                raise Fatal(f"the run is {mark.decode()} (its state says so): not working on it", 5)
         self.run_id = state.get(b"run_id")
         if self.run_id is None:
             self.r.hsetnx(self.state, "run_id", uuid.uuid4().hex)
@@ -254,13 +255,13 @@ class ForeignProducer:
                 self.held.pop((stream, lost.decode()), None)
 
     def check_run(self) -> None:
-        """§6: every second, the run's id still there and the same, and `lost` unset."""
+        """§6: every second, the run's id still there and the same, `lost` and `rewound` unset."""
         if time.monotonic() - self._run_checked_at < 1.0:
             return
         self._run_checked_at = time.monotonic()
-        run_id, lost = self.r.hmget(self.state, ["run_id", "lost"])
-        if run_id != self.run_id or lost is not None:
-            raise Fatal(f"the run is lost: run_id {run_id!r}, was {self.run_id!r}", 5)
+        run_id, lost, rewound = self.r.hmget(self.state, ["run_id", "lost", "rewound"])
+        if run_id != self.run_id or lost is not None or rewound is not None:
+            raise Fatal(f"the run is lost or rewound: run_id {run_id!r}, was {self.run_id!r}", 5)
 
     # --- events (§5.3, §11.9.5, §11.8) -------------------------------------------------
 

@@ -504,3 +504,30 @@ def test_a_page_producer_and_a_bundled_one_share_a_run(
     continued = {g["group_id"] for g in made if g["producer"].startswith("producer-")} & handed
     assert continued, (len(handed), makers)
     client.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mark", ["rewound", "run_id"])
+def test_the_page_producer_stops_on_a_run_that_went_backwards_or_was_lost(
+    redis_server: Any, run_name: str, tmp_path: Path, mark: str
+) -> None:
+    """§6: a run marked rewound (its latest committed steps lost), or whose run_id
+    changed (Redis came back without the run), stops the page's producer (exit 5)."""
+    env = env_for(redis_server.url, run_name, "partial")
+    base = f"rs:{{{run_name}}}"
+    client = redis.Redis.from_url(redis_server.url)
+    cli(env, "feed", str(prompts_file(tmp_path, 8, special=False)), "--task", "math")
+    producer = foreign("page-1", redis_server.url, run_name, tmp_path)
+    try:
+        wait_for(lambda: producer.running() and pending_of(client, base, "page-1"), timeout=60)
+        if mark == "rewound":
+            client.hsetnx(f"{base}:state", "rewound", orjson.dumps({"what": "a test", "train_step": 0}))
+        else:
+            client.hset(f"{base}:state", "run_id", "another")
+        assert producer.proc.wait(timeout=60) == 5, producer.text()[-2000:]
+    finally:
+        if producer.proc.poll() is None:
+            producer.proc.kill()
+            producer.proc.wait()
+    assert "the run is lost or rewound" in producer.text()
+    client.close()
