@@ -117,6 +117,10 @@ def quotas(batch_size: int, weights: dict[str, float]) -> dict[str, int]:
 
 
 class ForeignProducer:
+    """One producer process (§11.9): one loop that follows the events, beats, claims,
+    generates a token per tick and settles, so that the order of what it does is the
+    page's order and nothing runs behind it in a thread."""
+
     def __init__(self, client: redis.Redis, run: str, me: str, *, inflight: int, tick_s: float) -> None:
         self.r, self.me, self.room, self.tick_s = client, me, inflight, tick_s
         self.base = f"rs:{{{run}}}"
