@@ -194,8 +194,9 @@ class GroupRunner:
                 s.status, s.finish_reason = Status.COMPLETED, FINISH_LENGTH
         kept = [s for s in claim.partial if s.status is not Status.ABORTED]
         to_continue = [s for s in claim.partial if s.status is Status.ABORTED]
-        if not claim.partial:
-            to_continue = [_empty(prompt_ids) for _ in range(n)]
+        # an entry handed back with fewer than n samples (docs/stream-format.md §11.9.3 asks
+        # for all n; a writer that left out samples not started yet) is made up to n
+        to_continue += [_empty(prompt_ids) for _ in range(n - len(claim.partial))]
         if not to_continue:
             return kept
         sampling = prompt_sampling(claim.prompt, self.producer)

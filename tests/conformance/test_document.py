@@ -335,18 +335,25 @@ def test_the_events_are_what_the_bundled_code_publishes(
     client.close()
 
 
-# --- the scripts the page prints are the bundled ones (§11.9, §13) ---------------------
+# --- the scripts the page prints are the bundled ones (§11.6, §11.9, §13) ---------------
 
 
 @pytest.mark.parametrize(
-    ("number", "name"),
-    [("11.9.1", "CLAIM_BOUNDED"), ("11.9.2", "TOUCH"), ("13.", "COMMIT_LOGGED")],
+    ("number", "module", "name"),
+    [
+        ("11.6", "events", "_WEIGHT_SYNC"),
+        ("11.9", "events", "_STATUS"),
+        ("11.9.1", "scripts", "CLAIM_BOUNDED"),
+        ("11.9.2", "scripts", "TOUCH"),
+        ("13.", "scripts", "COMMIT_LOGGED"),
+    ],
 )
-def test_a_script_the_page_prints_is_the_bundled_one(number: str, name: str) -> None:
-    from rollstream.shared import scripts
+def test_a_script_the_page_prints_is_the_bundled_one(number: str, module: str, name: str) -> None:
+    import importlib
 
+    code = getattr(importlib.import_module(f"rollstream.shared.{module}"), name)
     printed = [b.strip() for b in blocks(section(document(), number), "lua")]
-    assert getattr(scripts, name).strip() in printed, f"§{number} does not print {name} as the code has it"
+    assert code.strip() in printed, f"§{number} does not print {name} as the code has it"
 
 
 def test_the_protocol_table_names_every_published_number(make_settings: Any) -> None:

@@ -224,6 +224,31 @@ def test_aborted_partial_samples_go_on_from_their_own_tokens(make_producer: Prod
         assert not np.array_equal(sample.response_ids, whole.response_ids)  # then went on from its cut
 
 
+def test_an_aborted_entry_with_fewer_than_n_samples_is_made_up_to_n(make_producer: ProducerFactory) -> None:
+    """docs/stream-format.md §11.9.3: a partial hand-back holds all n samples. One written
+    with fewer (another framework's producer that left out the samples it had not started)
+    is continued and made up to n, never completed as a smaller group."""
+    from rollstream.shared import codec
+    from rollstream.shared.records import Group, Sample, Status
+
+    clock = ManualClock()
+    producer = make_producer(clock=clock, rollout={"on_weight_sync": "partial"}, **LONG)
+    (prompt,) = prompts("math", 1)
+    cut = Sample([1, 2], [7, 8, 9], [-0.1, -0.2, -0.3], [0] * 3, status=Status.ABORTED)
+    handed = Group.for_prompt(prompt, samples=[cut], status=Status.ABORTED)
+    producer.buffer.ensure("math")
+    producer.buffer.client.xadd(producer.buffer.keys.aborted("math"), codec.encode_group(handed))
+
+    async def main() -> None:
+        await finish(asyncio.create_task(producer.run(burst=True)), clock)
+
+    asyncio.run(main())
+    (group,) = trained_groups(producer)
+    assert len(group.samples) == 2  # the task's n
+    assert group.samples[0].response_ids[:3].tolist() == [7, 8, 9]  # the cut sample, continued
+    assert all(len(s.response_ids) == 1200 for s in group.samples)
+
+
 async def fresh_generation(producer: Producer, text: str, n: int) -> list[Any]:
     from rollstream.producer.engines.base import SamplingParams
     from rollstream.producer.engines.sim import SimEngine
