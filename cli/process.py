@@ -202,6 +202,30 @@ def running(settings: Settings, role: str, stop: threading.Event, **options: Any
         yield process
 
 
+def _join_run(
+    client: redis.Redis, keys: Keys, settings: Settings, name: str, known: str | None, known_by: str,
+    stop: threading.Event,
+) -> str | None:
+    """The run's id, its settings checked (or published: the run's first process). A
+    process whose ACL user may not write the run's state (metrics: deploy/redis/acl.sh)
+    cannot be that first process: it waits for another to make the run, or for ``stop``
+    (None)."""
+    waiting = False
+    while True:
+        try:
+            run_id = run_identity(client, keys, settings.redis.url, known, known_by)
+            if check_run_settings(client, keys, settings, name):
+                log.info("published the run's shared settings (rollout, tasks)")
+            return run_id
+        except redis.exceptions.NoPermissionError:
+            if not waiting:
+                log.info("run %r is not made yet and this Redis user may not make it: waiting for "
+                         "another of its processes (a feeder, producer or trainer)", keys.run)  # fmt: skip
+                waiting = True
+            if stop.wait(0.5):
+                return None
+
+
 @contextmanager
 def _running(
     settings: Settings,
@@ -241,10 +265,11 @@ def _running(
         return
     keys = Keys(settings.run)
     known, known_by = known_run or (None, "")
-    run_id = run_identity(client, keys, settings.redis.url, known, known_by)
+    run_id = _join_run(client, keys, settings, name, known, known_by, stop)
+    if run_id is None:
+        yield None
+        return
     remember_run(client, keys.run, run_id)
-    if check_run_settings(client, keys, settings, name):
-        log.info("published the run's shared settings (rollout, tasks)")
     control = RunControl(client, keys)
     if refuse_stopped and (why := run_stopped(control, role, name)):
         # a process manager restarting what exited on the stop (a Deployment), or a process
