@@ -203,7 +203,12 @@ def running(settings: Settings, role: str, stop: threading.Event, **options: Any
 
 
 def _join_run(
-    client: redis.Redis, keys: Keys, settings: Settings, name: str, known: str | None, known_by: str,
+    client: redis.Redis,
+    keys: Keys,
+    settings: Settings,
+    name: str,
+    known: str | None,
+    known_by: str,
     stop: threading.Event,
 ) -> str | None:
     """The run's id, its settings checked (or published: the run's first process). A

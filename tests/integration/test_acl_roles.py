@@ -95,7 +95,11 @@ def _env(server: AclRedis, role: str, tmp_path: Path, **more: str) -> dict[str, 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rollstream.cli.main", *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "rollstream.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -157,5 +161,70 @@ def test_every_role_runs_under_its_own_user_and_a_run_finishes(acl_redis: AclRed
     # was made (it waits for another to make it)
     expected = {("feeder", "key", f"rs:{{{RUN}}}:{kind}:math") for kind in ("groups", "aborted", "expired")}
     expected |= {(user, "key", f"rs:{{{RUN}}}:state") for user in ("judge", "metrics")}
-    refused = {(e["username"], e["reason"], e["object"]) for e in acl_redis.client("admin").acl_log(count=1000)}
+    refused = {
+        (e["username"], e["reason"], e["object"]) for e in acl_redis.client("admin").acl_log(count=1000)
+    }
     assert {r for r in refused if r[1:] != ("command", "info")} <= expected, _refused(acl_redis)
+
+
+# what each user must not do: (role, command...), each answered NOPERM
+REFUSED = [
+    ("metrics", "XADD", f"rs:{{{RUN}}}:groups:math", "*", "f", "v"),  # no group of its own making
+    ("metrics", "DEL", f"rs:{{{RUN}}}:state"),
+    ("metrics", "HSET", f"rs:{{{RUN}}}:state", "paused", "1"),
+    ("monitor", "XADD", f"rs:{{{RUN}}}:groups:math", "*", "f", "v"),
+    ("monitor", "DEL", f"rs:{{{RUN}}}:prompts:math"),
+    ("monitor", "HGETALL", f"rs:{{{RUN}}}:state"),  # not even a read beyond the streams' sizes
+    ("producer", "GET", "rs:{other}:state"),  # another run's keys
+    ("producer", "XADD", "rs:{other}:prompts:math", "*", "f", "v"),
+    ("producer", "XADD", f"rs:{{{RUN}}}:trained:math", "*", "f", "v"),
+    ("feeder", "XACK", f"rs:{{{RUN}}}:groups:math", "trainer", "1-1"),  # a commit
+    ("feeder", "XDEL", f"rs:{{{RUN}}}:groups:math", "1-1"),
+    ("feeder", "XADD", f"rs:{{{RUN}}}:events", "*", "f", "v"),
+    ("judge", "XADD", f"rs:{{{RUN}}}:groups:math", "*", "f", "v"),
+    ("engines", "XADD", f"rs:{{{RUN}}}:prompts:math", "*", "f", "v"),
+    ("archive", "XADD", f"rs:{{{RUN}}}:prompts:math", "*", "f", "v"),
+    ("trainer", "SET", f"rs:{{{RUN}}}:rq:queue", "x"),  # rq's keys are the producers' and judge's
+    ("trainer", "FLUSHALL"),
+    ("trainer", "CONFIG", "SET", "maxmemory", "1"),
+]
+
+
+@pytest.mark.parametrize(
+    "role, command", [(r[0], r[1:]) for r in REFUSED], ids=[" ".join(r[:2]) for r in REFUSED]
+)
+def test_each_user_is_refused_what_its_role_must_not_do(
+    acl_redis: AclRedis, role: str, command: tuple[str, ...]
+) -> None:
+    client = acl_redis.client(role)
+    with pytest.raises(redis.exceptions.NoPermissionError, match=r"^this user has no permissions"):
+        client.execute_command(*command)
+    entry = acl_redis.client("admin").acl_log(count=1)[0]
+    assert entry["username"] == role
+    assert entry["object"] in (command[0].lower(), command[1] if len(command) > 1 else "", "config|set")
+
+
+def test_the_monitor_reads_the_streams_sizes_and_default_is_off(acl_redis: AclRedis) -> None:
+    admin, monitor = acl_redis.client("admin"), acl_redis.client("monitor")
+    stream = f"rs:{{{RUN}}}:prompts:math"
+    admin.xgroup_create(stream, "producers", id="0", mkstream=True)
+    admin.xadd(stream, {"f": "v"})
+    # what KEDA's Redis Streams scaler asks: the length, the group's lag, its pending entries
+    assert monitor.xlen(stream) == 1
+    assert monitor.xinfo_groups(stream)[0]["name"] == b"producers"
+    assert monitor.xpending(stream, "producers")["pending"] == 0
+    with pytest.raises(redis.AuthenticationError):  # no user named: the default user is off
+        redis.Redis(port=acl_redis.port).ping()
+
+
+def test_a_refused_command_names_the_user_and_the_command(acl_redis: AclRedis, tmp_path: Path) -> None:
+    admin = acl_redis.client("admin")
+    admin.hset(f"rs:{{{RUN}}}:state", "run_id", "r1")  # a run made: the metrics user joins it
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"uid": "a", "prompt": "What is 1 + 1?", "answer": "2"}\n')
+    done = _cli(_env(acl_redis, "metrics", tmp_path), "feed", str(prompts), "--task", "math")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "NOPERM" in done.stderr or "no permissions" in done.stderr, done.stderr[-2000:]
+    assert "Redis user 'metrics' may not do this" in done.stderr, done.stderr[-2000:]
+    assert f"rs:{{{RUN}}}:" in done.stderr and "deploy/redis/acl.sh" in done.stderr, done.stderr[-2000:]
+    assert acl_redis.passwords["metrics"] not in done.stderr
