@@ -76,7 +76,8 @@ promotable_once_in_sync() {
         | grep -q '^master_link_status:up'; do
         sleep 1
     done
-    timeout 3 redis-cli --user "$NODE_USER" -h "$host" -p "$REDIS_PORT" CONFIG SET replica-priority "${priority:-100}" >/dev/null
+    timeout 3 redis-cli --user "$NODE_USER" -h "$host" -p "$REDIS_PORT" \
+        CONFIG SET replica-priority "${priority:-100}" >/dev/null
 }
 
 case "${1:-}" in
@@ -90,7 +91,8 @@ data)
     fi
     if [ -n "${ACL_SH:-}" ]; then
         sh "$ACL_SH" >"$DATA/users.acl"  # afresh at each start: the secrets may have changed
-        set -- --aclfile "$DATA/users.acl" --masteruser replica --masterauth "$REDIS_PASSWORD_REPLICA" "$@"
+        set -- --aclfile "$DATA/users.acl" \
+            --masteruser replica --masterauth "$REDIS_PASSWORD_REPLICA" "$@"
     else
         set -- --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" "$@"
     fi
