@@ -228,3 +228,42 @@ def test_a_refused_command_names_the_user_and_the_command(acl_redis: AclRedis, t
     assert "Redis user 'metrics' may not do this" in done.stderr, done.stderr[-2000:]
     assert f"rs:{{{RUN}}}:" in done.stderr and "deploy/redis/acl.sh" in done.stderr, done.stderr[-2000:]
     assert acl_redis.passwords["metrics"] not in done.stderr
+
+
+@pytest.mark.slow  # a Ray cluster of its own, as tests/integration/test_end_of_run_signals.py's
+def test_the_engines_process_and_a_producer_on_its_cluster_run_as_their_users(
+    acl_redis: AclRedis, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(f'{{"uid": "q{i}", "prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(8))
+    )
+    env = {
+        role: {k: v for k, v in _env(acl_redis, role, tmp_path).items() if not k.startswith("RAY_ADDRESS")}
+        for role in ROLES
+    }
+    for role in env:
+        env[role]["ROLLSTREAM_PRODUCER__JUDGE_ON_QUEUE"] = "false"
+    engines = _start(env["engines"], "engines", "--foreground")
+    producer: subprocess.Popen[str] | None = None
+    try:
+        done = _cli(env["feeder"], "feed", str(prompts), "--task", "math")
+        assert done.returncode == 0, done.stderr[-3000:]
+        # the producer attaches to the cluster the engines process recorded in the run's state
+        producer = _start(env["producer"], "produce")
+        done = _cli(env["trainer"], "train", "--steps", "2", "--step-time", "0", "--stop-run")
+        assert done.returncode == 0, f"{done.stderr[-3000:]} {_refused(acl_redis)}"
+        _, err = producer.communicate(timeout=300)
+        assert producer.returncode == 0, f"{err[-3000:]} {_refused(acl_redis)}"
+        _, err = engines.communicate(timeout=300)
+        assert engines.returncode == 0, f"{err[-3000:]} {_refused(acl_redis)}"
+    finally:
+        for proc in (engines, producer):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    refused = {
+        (e["username"], e["reason"], e["object"]) for e in acl_redis.client("admin").acl_log(count=1000)
+    }
+    expected = {("feeder", "key", f"rs:{{{RUN}}}:{kind}:math") for kind in ("groups", "aborted", "expired")}
+    assert {r for r in refused if r[1:] != ("command", "info")} <= expected, _refused(acl_redis)
