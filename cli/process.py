@@ -39,6 +39,7 @@ from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
 from rollstream.shared.runconfig import check_run_identity, check_run_settings, run_identity
 from rollstream.shared.settings import ProcessSettings, Settings
 from rollstream.shared.settings_errors import redact_url
+from rollstream.shared.waiting import NotYet, wait_until
 
 log = logging.getLogger("rollstream")
 
@@ -213,22 +214,21 @@ def _join_run(
 ) -> str | None:
     """The run's id, its settings checked (or published: the run's first process). A
     process whose ACL user may not write the run's state (metrics: deploy/redis/acl.sh)
-    cannot be that first process: it waits for another to make the run, or for ``stop``
-    (None)."""
-    waiting = False
-    while True:
+    cannot be that first process: it waits for another to make the run (up to
+    process.wait_timeout_s), or for ``stop`` (None)."""
+
+    def joined() -> str:
         try:
             run_id = run_identity(client, keys, settings.redis.url, known, known_by)
             if check_run_settings(client, keys, settings, name):
                 log.info("published the run's shared settings (rollout, tasks)")
-            return run_id
-        except redis.exceptions.NoPermissionError:
-            if not waiting:
-                log.info("run %r is not made yet and this Redis user may not make it: waiting for "
-                         "another of its processes (a feeder, producer or trainer)", keys.run)  # fmt: skip
-                waiting = True
-            if stop.wait(0.5):
-                return None
+        except redis.exceptions.NoPermissionError as exc:
+            raise NotYet(
+                f"this Redis user may not make the run ({exc}): a feeder, producer or trainer does"
+            ) from None
+        return run_id
+
+    return wait_until(joined, f"run {keys.run!r} to be made", settings.process.wait_timeout_s, stop)
 
 
 @contextmanager

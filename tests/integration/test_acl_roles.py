@@ -160,7 +160,7 @@ def test_every_role_runs_under_its_own_user_and_a_run_finishes(acl_redis: AclRed
     # (their writers make them), the run's state to a process that started before the run
     # was made (it waits for another to make it)
     expected = {("feeder", "key", f"rs:{{{RUN}}}:{kind}:math") for kind in ("groups", "aborted", "expired")}
-    expected |= {(user, "key", f"rs:{{{RUN}}}:state") for user in ("judge", "metrics")}
+    expected |= {(user, "key", f"rs:{{{RUN}}}:state") for user in ("judge", "metrics", "archive")}
     refused = {
         (e["username"], e["reason"], e["object"]) for e in acl_redis.client("admin").acl_log(count=1000)
     }
