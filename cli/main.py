@@ -86,7 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return RET_LOST
     except redis.ResponseError as exc:
         # e.g. WRONGTYPE: a key of the run that something else wrote with another type
-        print(f"rollstream: Redis refused a command: {exc}{_wrong_types(exc)}", file=sys.stderr)
+        print(
+            f"rollstream: Redis refused a command: {exc}{_wrong_types(exc)}{_acl_user(exc)}", file=sys.stderr
+        )
         return RET_ERROR
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # an outage longer than redis.outage_limit_s (the client retried until then)
@@ -95,6 +97,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RollstreamError as exc:
         print(f"rollstream: {exc}", file=sys.stderr)
         return RET_ERROR
+
+
+def _acl_user(exc: redis.ResponseError) -> str:
+    """For a NOPERM reply (or a script's refused key), which ACL user was refused: the
+    fix is that user's rules or the process's URL, not the data."""
+    text = str(exc)
+    if not (isinstance(exc, redis.exceptions.NoPermissionError) or "can't access" in text):
+        return ""
+    user = ""
+    if _LOADED:
+        from urllib.parse import unquote, urlsplit
+
+        from rollstream.shared import redisurl
+
+        url = _LOADED[0].redis.url
+        try:
+            multi = redisurl.is_multi_host(url)
+            user = (redisurl.parse(url).username if multi else unquote(urlsplit(url).username or "")) or ""
+        except ValueError:
+            user = ""
+    who = f"Redis user {user!r}" if user else "the Redis user of redis.url (default: 'default')"
+    return (
+        f" ({who} may not do this: its ACL rules do not allow it. Give each process the user of its "
+        "role, deploy/redis/acl.sh, or widen that role's rules there)"
+    )
 
 
 def _wrong_types(exc: redis.ResponseError) -> str:

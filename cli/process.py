@@ -39,6 +39,7 @@ from rollstream.shared.liveness import Heartbeat, Liveness, live_processes
 from rollstream.shared.runconfig import check_run_identity, check_run_settings, run_identity
 from rollstream.shared.settings import ProcessSettings, Settings
 from rollstream.shared.settings_errors import redact_url
+from rollstream.shared.waiting import NotYet, wait_until
 
 log = logging.getLogger("rollstream")
 
@@ -202,6 +203,34 @@ def running(settings: Settings, role: str, stop: threading.Event, **options: Any
         yield process
 
 
+def _join_run(
+    client: redis.Redis,
+    keys: Keys,
+    settings: Settings,
+    name: str,
+    known: str | None,
+    known_by: str,
+    stop: threading.Event,
+) -> str | None:
+    """The run's id, its settings checked (or published: the run's first process). A
+    process whose ACL user may not write the run's state (metrics: deploy/redis/acl.sh)
+    cannot be that first process: it waits for another to make the run (up to
+    process.wait_timeout_s), or for ``stop`` (None)."""
+
+    def joined() -> str:
+        try:
+            run_id = run_identity(client, keys, settings.redis.url, known, known_by)
+            if check_run_settings(client, keys, settings, name):
+                log.info("published the run's shared settings (rollout, tasks)")
+        except redis.exceptions.NoPermissionError as exc:
+            raise NotYet(
+                f"this Redis user may not make the run ({exc}): a feeder, producer or trainer does"
+            ) from None
+        return run_id
+
+    return wait_until(joined, f"run {keys.run!r} to be made", settings.process.wait_timeout_s, stop)
+
+
 @contextmanager
 def _running(
     settings: Settings,
@@ -241,10 +270,11 @@ def _running(
         return
     keys = Keys(settings.run)
     known, known_by = known_run or (None, "")
-    run_id = run_identity(client, keys, settings.redis.url, known, known_by)
+    run_id = _join_run(client, keys, settings, name, known, known_by, stop)
+    if run_id is None:
+        yield None
+        return
     remember_run(client, keys.run, run_id)
-    if check_run_settings(client, keys, settings, name):
-        log.info("published the run's shared settings (rollout, tasks)")
     control = RunControl(client, keys)
     if refuse_stopped and (why := run_stopped(control, role, name)):
         # a process manager restarting what exited on the stop (a Deployment), or a process

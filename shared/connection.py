@@ -185,11 +185,42 @@ def _client(settings: RedisSettings, retry: Retry | None) -> redis.Redis:
         "retry": retry if retry is not None else Retry(ExponentialWithJitterBackoff(), 0),
     }
     if redisurl.scheme_of(settings.url) in redisurl.SENTINELS:
-        return sentinel_client(redisurl.parse(settings.url), options)
+        return _naming_refusals(sentinel_client(redisurl.parse(settings.url), options))
     if redisurl.scheme_of(settings.url) == redisurl.CLUSTER:
         outage = retry if isinstance(retry, OutageRetry) else None
         return cluster_client(redisurl.parse(settings.url), options, outage)
-    return redis.Redis.from_url(settings.url, **options)
+    return _naming_refusals(redis.Redis.from_url(settings.url, **options))
+
+
+def _naming_refusals(client: redis.Redis) -> redis.Redis:
+    """The client, whose NOPERM errors name the command and key refused: Redis's reply
+    (``no permissions to access one of the keys used as arguments``) names neither, and an
+    ACL user's refusal is fixed in its role's rules (deploy/redis/acl.sh)."""
+    inner = client.execute_command
+
+    def execute_command(*args: Any, **options: Any) -> Any:
+        try:
+            return inner(*args, **options)
+        except redis.exceptions.NoPermissionError as exc:
+            raise redis.exceptions.NoPermissionError(f"{exc} [{refused_call(args)}]") from exc
+
+    client.execute_command = execute_command  # type: ignore[method-assign]
+    return client
+
+
+def refused_call(args: tuple[Any, ...]) -> str:
+    """``COMMAND key`` of a refused call: its name and first key, never its values."""
+
+    def text(value: Any) -> str:
+        shown = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        return shown if len(shown) <= 120 else shown[:117] + "..."
+
+    if not args:
+        return "?"
+    command = text(args[0]).upper()
+    if command in ("EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO", "FCALL", "FCALL_RO") and len(args) > 3:
+        return f"{command} (a script) on {text(args[3])}"
+    return f"{command} {text(args[1])}" if len(args) > 1 else command
 
 
 def refuse_on_cluster(settings: RedisSettings, what: str) -> None:

@@ -94,15 +94,21 @@ def _variable(name: str) -> str:
 def check_run_settings(client: redis.Redis, keys: Keys, settings: Settings, who: str) -> bool:
     """Publish this process's shared settings if the run has none (returns True), else
     raise RunSettingsMismatch naming every difference (returns False when they agree)."""
-    client.hsetnx(keys.state, FORMAT, FORMAT_VERSION)  # the run's stream format: its first writer's
-    check_format(client.hget(keys.state, FORMAT), f"run {keys.run!r}")
+    # read first, written only when missing: a process whose ACL user may only read the
+    # state (metrics) joins a run that another process made without writing to it
+    stored, raw = client.hmget(keys.state, [FORMAT, RUN_SETTINGS])
+    if stored is None:
+        client.hsetnx(keys.state, FORMAT, FORMAT_VERSION)  # the run's stream format: its first writer's
+        stored = client.hget(keys.state, FORMAT)
+    check_format(stored, f"run {keys.run!r}")
     mine = agreed_settings(settings)
     body = orjson.dumps(
         {"by": who, "ts": time.time(), "settings": mine, "protocol": protocol_settings(settings)}
     )
-    if client.hsetnx(keys.state, RUN_SETTINGS, body):
-        return True
-    raw = client.hget(keys.state, RUN_SETTINGS)
+    if raw is None:
+        if client.hsetnx(keys.state, RUN_SETTINGS, body):
+            return True
+        raw = client.hget(keys.state, RUN_SETTINGS)
     try:
         published = orjson.loads(raw or b"")
         theirs, by = dict(published["settings"]), str(published.get("by", "?"))

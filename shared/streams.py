@@ -186,12 +186,17 @@ class ConsumerStreams:
         self._local = threading.local()  # a CommandWriter per thread
 
     def ensure(self, task: str) -> None:
-        """Create the task's streams and consumer groups (id 0: earlier entries count)."""
+        """Create the task's streams and consumer groups (id 0: earlier entries count).
+        A stream this process's ACL user may not write (a feeder's user and the groups
+        stream: deploy/redis/acl.sh) is left to the processes that write it, which
+        create it the same way."""
         if task in self._ensured:
             return
         for kind, group in GROUP_OF_KIND.items():
             try:
                 self.client.xgroup_create(self.keys.stream(kind, task), group, id="0", mkstream=True)
+            except redis.exceptions.NoPermissionError:
+                continue
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise

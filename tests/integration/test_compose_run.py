@@ -45,6 +45,9 @@ RUN_SERVICES = ("redis", "ray-head", "ray-worker", "engines", "producer", "judge
                 "metrics", "archive")  # fmt: skip
 ROLLSTREAM_SERVICES = ("engines", "producer", "judge", "feeder", "trainer", "metrics", "archive")
 STEPS = 3
+# each Redis user's password (deploy/redis/acl.sh): .env's, as example.env lists them
+ROLES = ("ADMIN", "PRODUCER", "TRAINER", "FEEDER", "ENGINES", "JUDGE", "ARCHIVE", "METRICS", "MONITOR")
+REDIS_PASSWORDS = tuple(f"REDIS_PASSWORD_{role}" for role in ROLES)
 SHIMS: list[psutil.Process] = []  # the containers' shims, for a teardown after the engine stalled
 
 
@@ -188,7 +191,7 @@ def compose_files(folder: Path, base: str) -> list[str]:
     (compose_dir / ".env").write_text(
         "".join(
             f"{key}={secrets.token_hex(16)}\n"
-            for key in ("REDIS_PASSWORD", "RAY_AUTH_TOKEN", "GRAFANA_ADMIN_PASSWORD")
+            for key in ("RAY_AUTH_TOKEN", "GRAFANA_ADMIN_PASSWORD", *REDIS_PASSWORDS)
         )
         + f"IMAGE=rollstream:check\nREDIS_IMAGE={base}\nTRAIN_STEPS={STEPS}\n"
     )
