@@ -9,6 +9,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
+
+from rollstream.shared.keys import RUN_ID, Keys
+
 
 def why(exc: BaseException | None) -> str:
     """The exception's type and message: redis-py 8's repr of a server error hides the message."""
@@ -29,14 +33,21 @@ class FailureLog:
     ``flush()`` says the counts not said yet (at the producer's stop)."""
 
     def __init__(
-        self, logger: logging.Logger, interval_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+        self,
+        logger: logging.Logger,
+        interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        quiet: Callable[[BaseException | None], bool] | None = None,
     ) -> None:
         self.log = logger
         self.interval_s = interval_s
         self.clock = clock
+        self.quiet = quiet  # failures not to say: the process says their cause (run_gone)
         self._seen: dict[str, _Same] = {}
 
     def failed(self, group_id: str, exc: BaseException | None) -> None:
+        if self.quiet is not None and self.quiet(exc):
+            return
         reason = why(exc)
         now = self.clock()
         same = self._seen.get(reason)
@@ -59,3 +70,19 @@ class FailureLog:
         self.log.error("%d more groups failed in %.0f s (the last: %s): %s",
                        same.count, now - same.since, same.last, reason)  # fmt: skip
         same.since, same.count = now, 0
+
+
+def run_gone(client: redis.Redis, keys: Keys) -> Callable[[BaseException | None], bool]:
+    """Whether a group's failure is a NOGROUP of a run Redis no longer holds (emptied,
+    restarted without its data): the process's run watch stops it with one error naming
+    that (cli/process.py), so the groups that failed on the way are not said too."""
+
+    def gone(exc: BaseException | None) -> bool:
+        if not (isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)):
+            return False
+        try:
+            return not client.hexists(keys.state, RUN_ID)
+        except redis.RedisError:
+            return False
+
+    return gone

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from rollstream.producer.failures import FailureLog, why
+from rollstream.producer.failures import FailureLog, run_gone, why
 from rollstream.producer.filters import ShouldContinue
 from rollstream.producer.fleet.pool import BasePool
 from rollstream.producer.group import GroupRunner, Window
@@ -118,7 +118,7 @@ class Producer:
         self._should_continue = should_continue
         self.model_step = 0
         self.stats = ProducerStats()
-        self.failures = FailureLog(log)  # a failure that hits every group is said once, then counted
+        self.failures = FailureLog(log, quiet=run_gone(buffer.client, buffer.keys))  # said once, then counted
         self.inflight: dict[asyncio.Task[str], Claim] = {}
         self._open = asyncio.Event()  # claiming allowed (cleared during a weight sync)
         self.cold = asyncio.Event()  # a cold stop: in-flight work is handed back at once

@@ -59,13 +59,14 @@ class Exporter:
     password through its environment as every layout gives it; stopped by its handle
     (SIGTERM)."""
 
-    def __init__(self, redis_url: str, log: Path, password: str = "") -> None:
+    def __init__(self, redis_url: str, log: Path, password: str = "", user: str = "") -> None:
         self.port = free_port()
         self.log = log.open("wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith("REDIS_")}
+        env.update({k: v for k, v in (("REDIS_PASSWORD", password), ("REDIS_USER", user)) if v})
         self.proc = subprocess.Popen(
             [exporter_binary(), f"-redis.addr={redis_url}", f"-web.listen-address=127.0.0.1:{self.port}"],
-            env={**env, "REDIS_PASSWORD": password} if password else env,
+            env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )

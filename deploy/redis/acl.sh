@@ -10,7 +10,7 @@
 #   RUN                        the run's name: every run user reaches only rs:{RUN}:* (and
 #                              rq's keys, which rollstream keeps there too)
 #   REDIS_PASSWORD_<ROLE>      each user's password, ROLE one of ADMIN PRODUCER TRAINER
-#                              FEEDER ENGINES JUDGE ARCHIVE METRICS MONITOR, and REPLICA and
+#                              FEEDER ENGINES JUDGE ARCHIVE METRICS MONITOR EXPORTER, and REPLICA and
 #                              SENTINEL for a set with failover (deploy/redis-ha.sh); a user
 #                              whose password is unset is left out. Only its SHA-256 lands
 #                              in the file.
@@ -59,6 +59,10 @@ rules() {
     monitor) echo "-@all +ping +hello +client|setname +xlen +xinfo|stream \
 +xinfo|groups +xinfo|consumers +xpending %R~$k:evals:* %R~$k:prompts:* %R~$k:aborted:* \
 %R~$k:expired:* %R~$k:groups:*" ;;
+    # the Redis exporter (Prometheus): Redis's own figures (INFO, its configuration's
+    # maxmemory, slow log, latency, the key count), no key of any run
+    exporter) echo "-@all +ping +hello +auth +info +config|get +client|list +slowlog|get \
++slowlog|len +latency|latest +dbsize +select +cluster|info +memory|stats" ;;
     # a replica's link to its primary (masteruser)
     replica) echo "-@all +psync +replconf +ping" ;;
     # a Sentinel's link to every data node (sentinel auth-user): Redis's documented set
@@ -71,7 +75,7 @@ rules() {
     esac
 }
 
-ROLES="admin producer trainer feeder engines judge archive metrics monitor replica sentinel"
+ROLES="admin producer trainer feeder engines judge archive metrics monitor exporter replica sentinel"
 
 : "${RUN:?set RUN to the run's name}"
 case "$RUN" in

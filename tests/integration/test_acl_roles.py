@@ -18,11 +18,14 @@ import redis
 
 from rollstream.shared.embedded import find_redis_server, free_port
 from tests.helpers import wait_for
+from tests.redis_exporter import Exporter
 
 pytestmark = pytest.mark.integration
 
 ACL_SH = Path(__file__).parents[2] / "deploy" / "redis" / "acl.sh"
-ROLES = ("admin", "producer", "trainer", "feeder", "engines", "judge", "archive", "metrics", "monitor")
+ROLES = (
+    "admin", "producer", "trainer", "feeder", "engines", "judge", "archive", "metrics", "monitor", "exporter",
+)  # fmt: skip
 RUN = "aclrun"
 
 
@@ -215,6 +218,29 @@ def test_the_monitor_reads_the_streams_sizes_and_default_is_off(acl_redis: AclRe
     assert monitor.xpending(stream, "producers")["pending"] == 0
     with pytest.raises(redis.AuthenticationError):  # no user named: the default user is off
         redis.Redis(port=acl_redis.port).ping()
+
+
+def test_the_redis_exporter_reads_redis_figures_under_its_user_and_no_key(
+    acl_redis: AclRedis, tmp_path: Path
+) -> None:
+    exporter = Exporter(f"redis://127.0.0.1:{acl_redis.port}", tmp_path / "exporter.log",
+                        password=acl_redis.passwords["exporter"], user="exporter")  # fmt: skip
+    try:
+        # what the alerts and the dashboard read: up, memory against maxmemory, clients
+        def figures() -> dict[str, float]:
+            return {
+                line.split()[0]: float(line.split()[-1])
+                for line in exporter.scrape().splitlines()
+                if line.split()
+                and line.split()[0] in {"redis_up", "redis_memory_max_bytes", "redis_connected_clients"}
+            }
+
+        wait_for(lambda: figures().get("redis_up") == 1.0, timeout=60)
+        assert {"redis_memory_max_bytes", "redis_connected_clients"} <= set(figures())
+    finally:
+        exporter.stop()
+    with pytest.raises(redis.exceptions.NoPermissionError):  # and no key of any run
+        acl_redis.client("exporter").get(f"rs:{{{RUN}}}:state")
 
 
 def test_a_refused_command_names_the_user_and_the_command(acl_redis: AclRedis, tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def services(*files: str) -> dict[str, dict[str, Any]]:
 
 def test_acl_sh_knows_every_role_and_each_reaches_only_its_run() -> None:
     roles = acl_roles()
-    assert set(ROLE_OF.values()) | {"admin", "monitor", "replica", "sentinel"} == set(roles)
+    assert set(ROLE_OF.values()) | {"admin", "monitor", "exporter", "replica", "sentinel"} == set(roles)
     for role, rules in roles.items():
         keys = re.findall(r"(?:%R|%W|%RW)?~(\S+)", rules)
         if role == "admin":
@@ -67,6 +67,8 @@ def test_acl_sh_knows_every_role_and_each_reaches_only_its_run() -> None:
     assert re.findall(r"(?<![%R])~(\S+)", roles["metrics"]) == ["rs:{exp1}:alive:metrics:*"]
     assert not re.findall(r"(?<![%R])~(\S+)", roles["monitor"])
     assert "+xlen" in roles["monitor"] and "+@write" not in roles["monitor"]
+    # the Redis exporter: INFO and its like, no key at all
+    assert not re.findall(r"~(\S+)", roles["exporter"]) and "+info" in roles["exporter"]
     # the feeder cannot commit (no write on a groups stream), the producer cannot publish events
     assert "groups" not in " ".join(re.findall(r"(?<![%R])~(\S+)", roles["feeder"]))
     assert "events" not in " ".join(re.findall(r"(?<![%R])~(\S+)", roles["producer"]))
@@ -215,7 +217,8 @@ def test_the_slurm_job_starts_each_process_as_its_roles_user(tmp_path: Path) -> 
     assert {command for command, *_ in started} == set(ROLE_OF)
     assert all(len(line) == 2 for line in started), "a process was given the admin password"
     users = (tmp_path / "rollstream-exp1" / "redis" / "users.acl").read_text()
-    assert {line.split()[1] for line in users.splitlines()} == {"default", "admin", *ROLE_OF.values()}
+    made = {line.split()[1] for line in users.splitlines()}
+    assert made == {"default", "admin", "exporter", *ROLE_OF.values()}
     assert all(urlsplit(url).password not in users for _, url, *_ in started)  # only their hashes
 
 

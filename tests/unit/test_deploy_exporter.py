@@ -42,7 +42,9 @@ def test_compose_runs_an_exporter_beside_each_redis_node() -> None:
     for name, (node, layout) in beside.items():
         exporter = layout[name]
         assert exporter["environment"]["REDIS_ADDR"] == f"redis://{node}:6379", name
-        assert exporter["environment"]["REDIS_PASSWORD"] == "${REDIS_PASSWORD}", name
+        # its own ACL user (deploy/redis/acl.sh's exporter), not a process's
+        assert exporter["environment"]["REDIS_USER"] == "exporter", name
+        assert exporter["environment"]["REDIS_PASSWORD"] == "${REDIS_PASSWORD_EXPORTER}", name
         assert node in exporter["depends_on"] and exporter["read_only"] is True, name
     # Prometheus finds them by their service names, on the exporter's port
     config = yaml.safe_load((COMPOSE.parent / "prometheus.yml").read_text())
@@ -68,8 +70,11 @@ def test_every_kubernetes_redis_pod_has_an_exporter_beside_its_redis() -> None:
         env = {e["name"]: e for e in exporter["env"]}
         assert env["REDIS_ADDR"]["value"] == "redis://127.0.0.1:6379", name
         secret = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
-        redis_secret = next(e for e in containers["redis"]["env"] if e["name"] == "REDIS_PASSWORD")
-        assert secret == redis_secret["valueFrom"]["secretKeyRef"], name
+        assert env["REDIS_USER"]["value"] == "exporter", name
+        assert secret == {"name": "rollstream-redis-users", "key": "REDIS_PASSWORD_EXPORTER"}, name
+        # the Redis container writes the ACL file from that Secret, the exporter's user in it
+        users = {"secretRef": {"name": "rollstream-redis-users"}}
+        assert users in containers["redis"].get("envFrom", []), name
         (port,) = exporter["ports"]
         assert port["containerPort"] == DEFAULT_PORT and len(port["name"]) <= 15, name
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(DEFAULT_PORT), name
