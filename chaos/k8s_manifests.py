@@ -13,7 +13,8 @@ What a part of Kubernetes would do, and how closely this follows it:
   ``envFrom`` (ConfigMaps, Secrets, their ``prefix``), then ``env`` in order, with
   ``$(VAR)`` of a variable defined before expanded (``$$`` is a ``$``) and ``valueFrom``
   (secretKeyRef, configMapKeyRef, fieldRef of the pod's name, namespace and IP); then
-  ``$(VAR)`` in ``command`` and ``args``; the image's own variables beneath all that;
+  ``$(VAR)`` in ``command`` and ``args`` (chaos/k8s_env.py); the image's variables beneath;
+  (chaos/k8s_env.py)
 - KubeRay's command line (its ``generateRayStartCommand`` conventions): ``ray start
   [--head]`` and each rayStartParam as ``--key=value`` (``"true"`` as a bare
   ``--key``, ``"false"`` left out), with what KubeRay adds when missing: ``--block``,
@@ -27,7 +28,6 @@ What a part of Kubernetes would do, and how closely this follows it:
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -86,7 +86,11 @@ class Pod:
     volumes: dict[str, Volume]
     mounts: list[Mount]
     readiness: list[str] | None = None  # an exec readiness probe's command
+    liveness: dict[str, Any] = field(default_factory=dict)  # the probe, as written
+    ports: dict[str, int] = field(default_factory=dict)  # the container's named ports
     service_links: bool = True
+    backoff_limit: int = 0  # a Job's: failed pods made again
+    fail_codes: tuple[int, ...] = ()  # a Job's podFailurePolicy: these exits fail it at once
     env_from: list[dict[str, Any]] = field(default_factory=list)  # the container's, as written
     env_list: list[dict[str, Any]] = field(default_factory=list)
     address: str = ""  # filled in once its host has one
@@ -189,45 +193,6 @@ def _service(doc: dict[str, Any]) -> Service:
     return Service(doc["metadata"]["name"], dict(spec.get("selector") or {}), ports, headless)
 
 
-def service_variables(services: Iterable[Service], address: Mapping[str, str]) -> dict[str, str]:
-    """The kubelet's variables for the Services (``enableServiceLinks``), each at
-    ``address[service name]``; headless Services and those with no pod get none."""
-    env: dict[str, str] = {}
-    for svc in services:
-        ip = address.get(svc.name)
-        if svc.headless or not ip or not svc.ports:
-            continue
-        base = svc.name.upper().replace("-", "_")
-        first = svc.ports[0][1]
-        env[f"{base}_SERVICE_HOST"] = ip
-        env[f"{base}_SERVICE_PORT"] = str(first)
-        for port_name, port in svc.ports:
-            if port_name:
-                env[f"{base}_SERVICE_PORT_{port_name.upper().replace('-', '_')}"] = str(port)
-        env[f"{base}_PORT"] = f"tcp://{ip}:{first}"
-        for _, port in svc.ports:
-            tcp = f"{base}_PORT_{port}_TCP"
-            env.update({tcp: f"tcp://{ip}:{port}", f"{tcp}_PROTO": "tcp", f"{tcp}_PORT": str(port),
-                        f"{tcp}_ADDR": ip})  # fmt: skip
-    return env
-
-
-_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
-
-
-def expand(text: str, env: Mapping[str, str]) -> str:
-    """Kubernetes' ``$(VAR)``: a defined variable's value, an undefined one left as
-    written, ``$$`` a single ``$``."""
-
-    def one(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name = match.group(1)
-        return env[name] if name in env else match.group(0)
-
-    return _REF.sub(one, text)
-
-
 class _Reader:
     def __init__(
         self,
@@ -250,11 +215,19 @@ class _Reader:
         for claim_template in spec.get("volumeClaimTemplates", []):
             vol = claim_template["metadata"]["name"]
             extra[vol] = Volume(vol, "claim", f"{vol}-{name}-{{i}}")
+        fail_codes: list[int] = []
+        for rule in (spec.get("podFailurePolicy") or {}).get("rules", []):
+            codes = rule.get("onExitCodes") or {}
+            if rule.get("action") == "FailJob" and codes.get("operator") == "In":
+                fail_codes += [int(c) for c in codes.get("values", [])]
         pods = []
         for i in range(count):
             pod_name = f"{name}-{i}" if kind != "Job" else name if count == 1 else f"{name}-{i}"
             volumes = {v: Volume(x.name, x.kind, x.source.format(i=i)) for v, x in extra.items()}
-            pods.append(self.pod(pod_name, name, kind, template, volumes))
+            pod = self.pod(pod_name, name, kind, template, volumes)
+            if kind == "Job":
+                pod.backoff_limit, pod.fail_codes = int(spec.get("backoffLimit", 6)), tuple(fail_codes)
+            pods.append(pod)
         for pod in pods:
             for vol in pod.volumes.values():
                 if vol.kind == "claim" and "{i}" not in vol.source and vol.source not in claims:
@@ -383,6 +356,8 @@ class _Reader:
             volumes=volumes,
             mounts=mounts,
             readiness=probe,
+            liveness=dict(container.get("livenessProbe") or {}),
+            ports={p["name"]: int(p["containerPort"]) for p in container.get("ports", []) if "name" in p},
             service_links=spec.get("enableServiceLinks", True) is not False,
             env_from=list(container.get("envFrom", [])),
             env_list=list(container.get("env", [])),
@@ -419,68 +394,6 @@ class _Reader:
                 )
             return Volume(name, "secret", source, items=dict(self.secret_maps[source]))
         raise ManifestError(f"{owner}: volume {name!r} of a kind not read here: {sorted(vol)}")
-
-
-def resolve(layout: Layout, addresses: Mapping[str, str]) -> None:
-    """Each pod's address (``addresses``: pod name -> address) and its environment as the
-    kubelet makes it: the Services' variables, envFrom, env; then $(VAR) in the command."""
-    for pod in layout.pods:
-        pod.address = addresses[pod.name]
-    at = {}
-    for svc in layout.services:
-        backing = layout.backing(svc)
-        if backing:
-            at[svc.name] = backing[0].address
-    links = service_variables(layout.services, at)
-    for pod in layout.pods:
-        _finish_env(layout, pod, links)
-
-
-def _finish_env(layout: Layout, pod: Pod, services: dict[str, str]) -> None:
-    """The Services' variables, envFrom, env, then $(VAR) in the command line."""
-    env = dict(pod.env)
-    if pod.service_links:
-        env.update(services)
-    for source in pod.env_from:
-        prefix = source.get("prefix", "")
-        if "configMapRef" in source:
-            ref, table, what = source["configMapRef"], layout.maps, "ConfigMap"
-        else:
-            ref, table, what = source["secretRef"], layout.secrets, "Secret"
-        if ref["name"] not in table:
-            if ref.get("optional"):
-                continue
-            raise ManifestError(f"{pod.owner}: envFrom names {what} {ref['name']!r}, which no manifest has")
-        env.update({prefix + k: v for k, v in table[ref["name"]].items()})
-    for var in pod.env_list:
-        if "value" in var:
-            env[var["name"]] = expand(str(var["value"]), env)
-        else:
-            env[var["name"]] = _value_from(layout, pod, var)
-    pod.env = env
-    pod.command = [expand(arg, env) for arg in pod.command]
-
-
-def _value_from(layout: Layout, pod: Pod, var: dict[str, Any]) -> str:
-    source = var.get("valueFrom") or {}
-    for key, table, what in (("secretKeyRef", layout.secrets, "Secret"),
-                             ("configMapKeyRef", layout.maps, "ConfigMap")):  # fmt: skip
-        if key in source:
-            ref = source[key]
-            value = table.get(ref["name"], {}).get(ref["key"])
-            if value is None:
-                raise ManifestError(
-                    f"{pod.owner}: {var['name']} from {what} {ref['name']!r} key {ref['key']!r}, "
-                    "which no manifest has"
-                )
-            return value
-    if "fieldRef" in source:
-        path = source["fieldRef"]["fieldPath"]
-        fields = {"metadata.name": pod.name, "metadata.namespace": NAMESPACE, "status.podIP": pod.address}
-        if path not in fields:
-            raise ManifestError(f"{pod.owner}: {var['name']} from fieldRef {path}, not read here")
-        return fields[path]
-    raise ManifestError(f"{pod.owner}: {var['name']} has neither a value nor a valueFrom read here")
 
 
 def _quantity(text: str) -> float:
