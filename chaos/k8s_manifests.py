@@ -14,7 +14,6 @@ What a part of Kubernetes would do, and how closely this follows it:
   ``$(VAR)`` of a variable defined before expanded (``$$`` is a ``$``) and ``valueFrom``
   (secretKeyRef, configMapKeyRef, fieldRef of the pod's name, namespace and IP); then
   ``$(VAR)`` in ``command`` and ``args`` (chaos/k8s_env.py); the image's variables beneath;
-  (chaos/k8s_env.py)
 - KubeRay's command line (its ``generateRayStartCommand`` conventions): ``ray start
   [--head]`` and each rayStartParam as ``--key=value`` (``"true"`` as a bare
   ``--key``, ``"false"`` left out), with what KubeRay adds when missing: ``--block``,
