@@ -322,10 +322,8 @@ class _Reader:
         uid = ctx.get("runAsUser", pod_ctx.get("runAsUser"))
         gid = ctx.get("runAsGroup", pod_ctx.get("runAsGroup"))
         non_root = bool(ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot", False)))
-        if non_root and not uid:
-            raise ManifestError(
-                f"{owner}: runAsNonRoot with runAsUser {uid}: the kubelet refuses to start it"
-            )
+        if non_root and uid == 0:
+            raise ManifestError(f"{owner}: runAsNonRoot with runAsUser 0: the kubelet refuses to start it")
         for vol in spec.get("volumes", []):
             volumes[vol["name"]] = self._volume(owner, vol)
         mounts = []

@@ -114,7 +114,7 @@ def test_a_manifest_it_cannot_read_is_named(tmp_path: Path) -> None:
         k8s_manifests.load([bad])
     bad.write_text(
         "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j}\nspec:\n  template:\n    spec:\n"
-        "      restartPolicy: Never\n      securityContext: {runAsNonRoot: true}\n"
+        "      restartPolicy: Never\n      securityContext: {runAsNonRoot: true, runAsUser: 0}\n"
         "      containers: [{name: c, command: [x]}]\n"
     )
     with pytest.raises(ManifestError, match="runAsNonRoot"):
