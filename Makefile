@@ -9,7 +9,7 @@ DEV := $(VENV)/.installed-dev
 TREE := $(VENV)/.static-tree
 PACKAGE_DIRS := $(shell find rollstream shared producer consumer cli recipes -type d -not -name __pycache__)
 
-.PHONY: demo test test-all lint docs docs-serve bench soak gpu-check compose-check run chaos hosts-chaos clean
+.PHONY: demo test test-all lint docs docs-serve bench soak gpu-check compose-check k8s-check run chaos hosts-chaos clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -145,6 +145,14 @@ gpu-check:
 # root, docker.io, docker-compose and debootstrap; about 3-5 minutes (15 on a loaded machine).
 compose-check: $(DEV)
 	$(PY) -m pytest -m heavy tests/integration/test_compose_run.py -v
+
+# deploy/k8s run as a cluster would run it (tests/integration/test_k8s_hosts.py): each pod of
+# the manifests on an emulated host of its own (chaos/k8s_pods.py over chaos/hosts.py), with
+# the manifests' command lines, environment, users and volumes, the RayCluster as KubeRay
+# starts it; a short run to its end, all torn down. Needs root, iproute2 and util-linux;
+# about 1-2 minutes (more on a loaded machine).
+k8s-check: $(DEV)
+	$(PY) -m pytest -m heavy tests/integration/test_k8s_hosts.py -v
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

@@ -284,9 +284,11 @@ class PodRun:
         return probe is None or self.exec(pod_name, probe).returncode == 0
 
     def alive(self, pod_name: str, timeout: float = 10) -> bool:
-        """The pod's liveness probe (httpGet or tcpSocket, its port by name) answers."""
+        """The pod's liveness probe (exec, httpGet or tcpSocket, its port by name) passes."""
         pod = self.layout.pod(pod_name)
         probe = pod.liveness
+        if "exec" in probe:
+            return self.exec(pod_name, probe["exec"]["command"], timeout=60).returncode == 0
         kind = "httpGet" if "httpGet" in probe else "tcpSocket"
         port = probe[kind]["port"]
         port = pod.ports[port] if isinstance(port, str) else int(port)

@@ -85,10 +85,18 @@ def test_the_kubernetes_manifests_run_a_short_run_to_its_end(tmp_path: Path) -> 
     try:
         pods.start()
 
+        ours = [p.name for p in layout.pods if p.liveness]  # the rollstream pods and Redis
+        probed: set[str] = set()
+
         def over() -> bool:
             exits = pods.poll()
             failed = {n: c for n, c in exits.items() if c != 0}
             assert not failed, {n: (c, pods.log(n)) for n, c in failed.items()}
+            # each pod's liveness probe answers while it runs (its metrics port is the
+            # containerPort the probe names): once is enough
+            for name in ours:
+                if name not in probed and name not in exits and pods.alive(name, timeout=2):
+                    probed.add(name)
             return all(n in exits for n in [*jobs, *producers])
 
         try:
@@ -99,6 +107,8 @@ def test_the_kubernetes_manifests_run_a_short_run_to_its_end(tmp_path: Path) -> 
                 f"{exc}; still running: { ({n: pods.log(n, 1500) for n in running}) }"
             ) from None
         run_s = time.monotonic() - started
+        assert probed == set(ours), f"liveness never answered: {set(ours) - probed}"
+        assert pods.ready("rollstream-redis-0")  # its readiness probe: redis-cli ping with the password
         # every Job and both producers exited 0 (a failure shows at once in over())
         assert all(pods.exits[n] == 0 for n in [*jobs, *producers]), pods.exits
         engines_log = pods.log("rollstream-engines", 100_000)
@@ -130,10 +140,12 @@ def test_the_kubernetes_manifests_run_a_short_run_to_its_end(tmp_path: Path) -> 
         redis_files = list(pods.claim("data-rollstream-redis-0").rglob("*"))
         assert redis_files and all(f.stat().st_uid == 999 for f in redis_files)
 
-        # the kubelet's stop: SIGTERM, exit 0
+        # the kubelet's stop: SIGTERM, exit 0 (the metrics pod still serving until then)
+        assert pods.procs[metrics].poll() is None, pods.log(metrics)
         assert pods.terminate(metrics, grace=60) == 0, pods.log(metrics)
         assert pods.terminate("rollstream-redis-0", grace=60) == 0, pods.log("rollstream-redis-0")
-        print(f"k8s run: {run_s:.0f} s to the end of the run, {time.monotonic() - started:.0f} s in all")
+        print(f"k8s run: {run_s:.0f} s to the end of the run, {time.monotonic() - started:.0f} s in all; "
+              f"Jobs' failed pods made again: {({n: f for n, f in pods.failures.items() if f})}")  # fmt: skip
     finally:
         pods.close()
     assert not pods.work.exists()
