@@ -105,7 +105,7 @@ def _value_from(layout: Layout, pod: Pod, var: dict[str, Any]) -> str:
             return value
     if "fieldRef" in source:
         path = source["fieldRef"]["fieldPath"]
-        fields = {"metadata.name": pod.name, "metadata.namespace": NAMESPACE, "status.podIP": pod.address}
+        fields = {"metadata.name": pod.pod_name, "metadata.namespace": NAMESPACE, "status.podIP": pod.address}
         if path not in fields:
             raise ManifestError(f"{pod.owner}: {var['name']} from fieldRef {path}, not read here")
         return fields[path]

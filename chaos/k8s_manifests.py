@@ -93,6 +93,10 @@ class Pod:
     env_from: list[dict[str, Any]] = field(default_factory=list)  # the container's, as written
     env_list: list[dict[str, Any]] = field(default_factory=list)
     address: str = ""  # filled in once its host has one
+    pod_name: str = ""  # the pod's: a container past the first is ``<pod>:<container>``
+
+    def __post_init__(self) -> None:
+        self.pod_name = self.pod_name or self.name
 
     @property
     def is_job(self) -> bool:
@@ -122,7 +126,9 @@ class Layout:
         return [p for p in self.pods if p.owner == owner]
 
     def backing(self, service: Service) -> list[Pod]:
-        return [p for p in self.pods if service.selector and service.selector.items() <= p.labels.items()]
+        """The pods a Service selects (by their first container)."""
+        selector = service.selector.items()
+        return [p for p in self.pods if selector and selector <= p.labels.items() and p.name == p.pod_name]
 
 
 def read_documents(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -223,10 +229,11 @@ class _Reader:
         for i in range(count):
             pod_name = f"{name}-{i}" if kind != "Job" else name if count == 1 else f"{name}-{i}"
             volumes = {v: Volume(x.name, x.kind, x.source.format(i=i)) for v, x in extra.items()}
-            pod = self.pod(pod_name, name, kind, template, volumes)
-            if kind == "Job":
-                pod.backoff_limit, pod.fail_codes = int(spec.get("backoffLimit", 6)), tuple(fail_codes)
-            pods.append(pod)
+            for index in range(len(template["spec"]["containers"])):
+                pod = self.pod(pod_name, name, kind, template, volumes, index=index)
+                if kind == "Job":
+                    pod.backoff_limit, pod.fail_codes = int(spec.get("backoffLimit", 6)), tuple(fail_codes)
+                pods.append(pod)
         for pod in pods:
             for vol in pod.volumes.values():
                 if vol.kind == "claim" and "{i}" not in vol.source and vol.source not in claims:
@@ -312,12 +319,16 @@ class _Reader:
         volumes: dict[str, Volume],
         command: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
+        index: int = 0,
     ) -> Pod:
+        """Container ``index`` of the pod (the containers of a pod share its host, volumes
+        and address; each its own command, environment and user)."""
         spec = template["spec"]
-        containers = spec["containers"]
-        if len(containers) != 1:
-            raise ManifestError(f"{owner}: one container per pod is read here, not {len(containers)}")
-        container = containers[0]
+        container = spec["containers"][index]
+        if index:
+            name, pod_name = f"{name}:{container['name']}", name
+        else:
+            pod_name = name
         pod_ctx, ctx = spec.get("securityContext") or {}, container.get("securityContext") or {}
         uid = ctx.get("runAsUser", pod_ctx.get("runAsUser"))
         gid = ctx.get("runAsGroup", pod_ctx.get("runAsGroup"))
@@ -335,10 +346,11 @@ class _Reader:
             mounts.append(Mount(m["mountPath"], m["name"], bool(m.get("readOnly", False))))
         probe = (container.get("readinessProbe") or {}).get("exec", {}).get("command")
         env = dict(IMAGE_ENV)
-        env["HOSTNAME"] = name
+        env["HOSTNAME"] = pod_name
         env.update(extra_env or {})
         pod = Pod(
             name=name,
+            pod_name=pod_name,
             owner=owner,
             kind=kind,
             labels=dict((template.get("metadata") or {}).get("labels") or {}),

@@ -77,9 +77,11 @@ def manifest_paths() -> list[Path]:
 
 def host_names(pods: list[Pod]) -> dict[str, str]:
     """A host name for each pod (1-10 of [a-z0-9], as the harness wants): its name without
-    ``rollstream-``, shortened, its ordinal kept."""
+    ``rollstream-``, shortened, its ordinal kept; every container of a pod on its pod's."""
     names: dict[str, str] = {}
     for pod in pods:
+        if pod.name != pod.pod_name:
+            continue
         plain = "".join(c for c in pod.name.removeprefix("rollstream-") if c.isalnum()).lower()
         digits = len(plain) - len(plain.rstrip("0123456789"))
         base, ordinal = plain[: len(plain) - digits], plain[len(plain) - digits :]
@@ -89,7 +91,7 @@ def host_names(pods: list[Pod]) -> dict[str, str]:
             n += 1
             name = base[: 9 - len(ordinal)] + ordinal + str(n)
         names[pod.name] = name
-    return names
+    return {p.name: names[p.pod_name] for p in pods}
 
 
 class PodRun:
@@ -98,7 +100,7 @@ class PodRun:
     def __init__(self, layout: Layout, out: Path) -> None:
         self.layout, self.out = layout, out
         self.hostname = host_names(layout.pods)
-        self.hosts = Hosts(list(self.hostname.values()))
+        self.hosts = Hosts(list(dict.fromkeys(self.hostname.values())))
         self.work = Path(tempfile.mkdtemp(prefix="rollstream-k8s-", dir="/var/tmp"))
         os.chmod(self.work, 0o755)  # the pods' users reach their folders under it
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -107,6 +109,7 @@ class PodRun:
         self._again: dict[str, float] = {}  # a Job's pod to make again, when
         self._made: list[Path] = []
         self._user: dict[str, tuple[int, int]] = {}
+        self._mounted: dict[str, dict[str, str]] = {}  # host -> mount path -> volume
         self._lock: IO[bytes] | None = None
 
     def claim(self, name: str) -> Path:
@@ -155,7 +158,7 @@ class PodRun:
                 self._made.append(folder)
 
     def hosts_file(self, pod: Pod) -> str:
-        lines = ["127.0.0.1\tlocalhost", f"{pod.address}\t{pod.name} {self.hostname[pod.name]}"]
+        lines = ["127.0.0.1\tlocalhost", f"{pod.address}\t{pod.pod_name} {self.hostname[pod.name]}"]
         for svc in self.layout.services:
             backing = self.layout.backing(svc)
             if not backing:
@@ -170,28 +173,28 @@ class PodRun:
         return "\n".join(lines) + "\n"
 
     def _prepare(self, pod: Pod) -> None:
-        """The pod's folders, and its mounts made in its host's mount namespace."""
-        base = self.work / "pods" / pod.name
-        base.mkdir(parents=True)
-        os.chmod(base, 0o755)
+        """The pod's folders, and its mounts made in its host's mount namespace (its
+        other containers' too: they share the host, so a path is mounted once, with one
+        volume)."""
+        host = self.hostname[pod.name]
+        base = self.work / "pods" / pod.pod_name
         uid = pod.uid if pod.uid is not None else IMAGE_USER
         gid = pod.gid if pod.gid is not None else uid
-        (base / "hosts").write_text(self.hosts_file(pod))
-        os.chmod(base / "hosts", 0o644)
-        home = base / "home"
-        home.mkdir()
-        os.chown(home, IMAGE_USER, IMAGE_USER)  # the image's HOME, its user's
-        script = ["set -e", "mount --make-rprivate /", *self._expose_python(base), *self._image_links(base)]
-        mounted = {m.path for m in pod.mounts}
-        if "/tmp" not in mounted:  # the container's own /tmp
-            (base / "tmp").mkdir(mode=0o1777)
-            os.chmod(base / "tmp", 0o1777)
-            script += _bind(base / "tmp", "/tmp", pod.read_only_root)
-        if "/dev/shm" not in mounted:  # a container's default /dev/shm
-            script.append("mount -t tmpfs -o size=64m,mode=1777 shm /dev/shm")
-        script += _bind(home, IMAGE_WORKDIR, pod.read_only_root)
-        script += _bind(base / "hosts", "/etc/hosts", True)
+        self._user[pod.name] = (uid, gid)
+        pod.env["PATH"] = f"{IMAGE_BIN}{os.pathsep}{SYSTEM_PATH}"
+        pod.env.setdefault("HOME", IMAGE_WORKDIR)
+        script = ["set -e"]
+        if host not in self._mounted:
+            script += self._container_layer(pod, base)
+        mounted = self._mounted.setdefault(host, {})
         for m in pod.mounts:
+            if m.path in mounted:
+                if mounted[m.path] != m.volume:
+                    raise RuntimeError(
+                        f"{pod.name}: {m.path} is volume {mounted[m.path]} in another container"
+                    )
+                continue
+            mounted[m.path] = m.volume
             vol = pod.volumes[m.volume]
             if vol.kind == "emptyDir" and vol.medium == "Memory":
                 size = f",size={vol.size.removesuffix('i').lower()}" if vol.size else ""
@@ -215,12 +218,31 @@ class PodRun:
             if pod.fs_group is not None and vol.kind in ("emptyDir", "claim"):
                 _own_by_group(src, pod.fs_group)
             script += _bind(src, m.path, m.read_only or vol.kind in ("configMap", "secret"))
-        done = self.hosts.run(self.hostname[pod.name], ["sh", "-c", "\n".join(script)], timeout=120)
+        done = self.hosts.run(host, ["sh", "-c", "\n".join(script)], timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{pod.name}: its mounts failed: {done.stderr.strip()}")
-        pod.env["PATH"] = f"{IMAGE_BIN}{os.pathsep}{SYSTEM_PATH}"
-        pod.env.setdefault("HOME", IMAGE_WORKDIR)
-        self._user[pod.name] = (uid, gid)
+
+    def _container_layer(self, pod: Pod, base: Path) -> list[str]:
+        """What the container runtime gives a pod: its /tmp, /dev/shm, HOME, /etc/hosts
+        and the image's Python and /usr/local/bin; as mount commands."""
+        base.mkdir(parents=True)
+        os.chmod(base, 0o755)
+        (base / "hosts").write_text(self.hosts_file(pod))
+        os.chmod(base / "hosts", 0o644)
+        home = base / "home"
+        home.mkdir()
+        os.chown(home, IMAGE_USER, IMAGE_USER)  # the image's HOME, its user's
+        script = ["mount --make-rprivate /", *self._expose_python(base), *self._image_links(base)]
+        mounted = {m.path for p in self.layout.pods if p.pod_name == pod.pod_name for m in p.mounts}
+        if "/tmp" not in mounted:  # the container's own /tmp
+            (base / "tmp").mkdir(mode=0o1777)
+            os.chmod(base / "tmp", 0o1777)
+            script += _bind(base / "tmp", "/tmp", pod.read_only_root)
+        if "/dev/shm" not in mounted:  # a container's default /dev/shm
+            script.append("mount -t tmpfs -o size=64m,mode=1777 shm /dev/shm")
+        script += _bind(home, IMAGE_WORKDIR, pod.read_only_root)
+        script += _bind(base / "hosts", "/etc/hosts", True)
+        return script
 
     @staticmethod
     def _expose_python(base: Path) -> list[str]:

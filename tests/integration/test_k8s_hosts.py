@@ -29,6 +29,7 @@ failure in CI."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ import pytest
 
 from chaos import k8s_manifests
 from chaos.hosts import unavailable
-from chaos.k8s_pods import PodRun, manifest_paths, trainer_command
+from chaos.k8s_pods import K8S, PodRun, manifest_paths, trainer_command
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(900)]
@@ -53,6 +54,7 @@ OVERRIDES = {
 REPLICAS = {"rollstream-ray/gpu": 1}
 RUN_BUDGET_S = 480  # the run to its end; about a minute on an idle 2-core machine
 STATUS = ["rollstream", "status", "--json"]
+PLAIN_URL = "redis://:$(REDIS_PASSWORD)@rollstream-redis:6379/0"
 
 
 def _require() -> None:
@@ -71,64 +73,78 @@ def _prompts(path: Path, count: int) -> None:
     path.write_bytes(b"\n".join(rows) + b"\n")
 
 
-def test_the_kubernetes_manifests_run_a_short_run_to_its_end(tmp_path: Path) -> None:
-    _require()
-    layout = k8s_manifests.load(manifest_paths(), settings=OVERRIDES, replicas=REPLICAS)
+def _layout(paths: list[Path], settings: dict[str, str] | None = None) -> k8s_manifests.Layout:
+    layout = k8s_manifests.load(paths, settings={**OVERRIDES, **(settings or {})}, replicas=REPLICAS)
     layout.pod("rollstream-trainer").command = trainer_command(layout, STEPS)
     assert "--hf-model" not in layout.pod("rollstream-trainer").command
+    return layout
+
+
+def _run_to_its_end(pods: PodRun) -> tuple[list[str], list[str]]:
+    """Every Job and both producers exit 0 (a failure shows at once), every pod's liveness
+    probe having answered once while it ran: the Jobs' and the producers' names."""
+    layout = pods.layout
     jobs = [p.name for p in layout.pods if p.is_job]
     producers = [p.name for p in layout.of("rollstream-producer")]
     assert len(producers) == 2 and len(jobs) == 5  # engines, judge, feeder, archive, trainer
+    ours = [p.name for p in layout.pods if p.liveness]  # the rollstream pods and Redis
+    probed: set[str] = set()
+
+    def over() -> bool:
+        exits = pods.poll()
+        failed = {n: c for n, c in exits.items() if c != 0}
+        assert not failed, {n: (c, pods.log(n)) for n, c in failed.items()}
+        # each liveness probe answers while its pod runs (the metrics port is the
+        # containerPort the probe names): once is enough
+        for name in ours:
+            if name not in probed and name not in exits and pods.alive(name, timeout=2):
+                probed.add(name)
+        return all(n in exits for n in [*jobs, *producers])
+
+    try:
+        wait_for(over, timeout=RUN_BUDGET_S, interval=1.0)
+    except AssertionError as exc:
+        running = [n for n in [*jobs, *producers] if n not in pods.poll()]
+        raise AssertionError(f"{exc}; still running: { ({n: pods.log(n, 1500) for n in running}) }") from None
+    assert probed == set(ours), f"liveness never answered: {set(ours) - probed}"
+    assert all(pods.exits[n] == 0 for n in [*jobs, *producers]), pods.exits
+    engines_log = pods.log("rollstream-engines", 100_000)
+    assert "4 sim engines ready" in engines_log and "ray://rollstream-ray-head-svc:10001" in engines_log
+    return jobs, producers
+
+
+def _status_in_the_metrics_pod(pods: PodRun) -> str:
+    """The metrics Deployment's pod, started again as a Deployment does (it exits 0 at the
+    stop), serves the run's final figures; `kubectl exec ... rollstream status` there finds
+    the steps trained and nothing lost. The pod's name."""
+    metrics = "rollstream-metrics-0"
+    pods.poll()
+    if metrics in pods.exits:
+        pods.launch(pods.layout.pod(metrics))
+    assert wait_for(lambda: pods.alive(metrics), timeout=120, interval=1.0), pods.log(metrics)
+    assert pods.ready(metrics)  # its readiness probe: `rollstream check`
+    status = pods.exec(metrics, STATUS)
+    assert status.returncode == 0, status.stderr[-3000:]
+    report = orjson.loads(status.stdout)
+    assert report["train_step"] == STEPS
+    (account,) = report["accounts"].values()
+    assert account["trained"] >= STEPS and account["lost"] == 0, account
+    assert report["lost"] is None
+    return metrics
+
+
+def test_the_kubernetes_manifests_run_a_short_run_to_its_end(tmp_path: Path) -> None:
+    _require()
+    layout = _layout(manifest_paths())
     pods = PodRun(layout, tmp_path / "pods")
     _prompts(pods.claim("rollstream-prompts") / "prompts.jsonl", 64)
     started = time.monotonic()
     try:
         pods.start()
-
-        ours = [p.name for p in layout.pods if p.liveness]  # the rollstream pods and Redis
-        probed: set[str] = set()
-
-        def over() -> bool:
-            exits = pods.poll()
-            failed = {n: c for n, c in exits.items() if c != 0}
-            assert not failed, {n: (c, pods.log(n)) for n, c in failed.items()}
-            # each pod's liveness probe answers while it runs (its metrics port is the
-            # containerPort the probe names): once is enough
-            for name in ours:
-                if name not in probed and name not in exits and pods.alive(name, timeout=2):
-                    probed.add(name)
-            return all(n in exits for n in [*jobs, *producers])
-
-        try:
-            wait_for(over, timeout=RUN_BUDGET_S, interval=1.0)
-        except AssertionError as exc:
-            running = [n for n in [*jobs, *producers] if n not in pods.poll()]
-            raise AssertionError(
-                f"{exc}; still running: { ({n: pods.log(n, 1500) for n in running}) }"
-            ) from None
+        _, producers = _run_to_its_end(pods)
         run_s = time.monotonic() - started
-        assert probed == set(ours), f"liveness never answered: {set(ours) - probed}"
         assert pods.ready("rollstream-redis-0")  # its readiness probe: redis-cli ping with the password
-        # every Job and both producers exited 0 (a failure shows at once in over())
-        assert all(pods.exits[n] == 0 for n in [*jobs, *producers]), pods.exits
-        engines_log = pods.log("rollstream-engines", 100_000)
-        assert "4 sim engines ready" in engines_log and "ray://rollstream-ray-head-svc:10001" in engines_log
-
-        # the metrics Deployment: its pod, started again as a Deployment does, serves the
-        # run's final figures; `kubectl exec ... rollstream status` there
-        pods.poll()
-        metrics = "rollstream-metrics-0"
-        if metrics in pods.exits:
-            pods.launch(layout.pod(metrics))
-        assert wait_for(lambda: pods.alive(metrics), timeout=120, interval=1.0), pods.log(metrics)
-        assert pods.ready(metrics)  # its readiness probe: `rollstream check`
-        status = pods.exec(metrics, STATUS)
-        assert status.returncode == 0, status.stderr[-3000:]
-        report = orjson.loads(status.stdout)
-        assert report["train_step"] == STEPS
-        (account,) = report["accounts"].values()
-        assert account["trained"] >= STEPS and account["lost"] == 0, account
-        assert report["lost"] is None
+        metrics = _status_in_the_metrics_pod(pods)
 
         # a producer started again on the stopped run (the Deployment's restart) exits 0 at once
         again = pods.launch(layout.pod(producers[0]))
@@ -149,3 +165,47 @@ def test_the_kubernetes_manifests_run_a_short_run_to_its_end(tmp_path: Path) -> 
     finally:
         pods.close()
     assert not pods.work.exists()
+
+
+def test_the_failover_redis_runs_with_the_sentinels_url(tmp_path: Path) -> None:
+    """k8s/README.md's "Redis with failover", followed: ha/redis-ha.yaml instead of
+    redis.yaml (three pods, a data node and a Sentinel each), the README's Sentinel URL
+    put in processes.yaml and trainer-job.yaml in place of the plain one (its own sed),
+    ROLLSTREAM_REDIS__WAIT_REPLICAS 2 in the ConfigMap. The run ends as with one Redis,
+    pod 0 the primary with both replicas, every Sentinel naming it."""
+    _require()
+    readme = (K8S / "README.md").read_text()
+    url = re.search(r"^ROLLSTREAM_REDIS__URL='([^']+)'", readme, re.M)
+    assert url and "sed" in readme
+    for name in ("processes.yaml", "trainer-job.yaml"):
+        text = (K8S / name).read_text()
+        assert PLAIN_URL in text
+        (tmp_path / name).write_text(text.replace(PLAIN_URL, url.group(1)))
+    paths = [K8S / "config.yaml", K8S / "ha" / "redis-ha.yaml", K8S / "ray-cluster.yaml",
+             tmp_path / "processes.yaml", tmp_path / "trainer-job.yaml"]  # fmt: skip
+    layout = _layout(paths, {"ROLLSTREAM_REDIS__WAIT_REPLICAS": "2"})
+    redis_pods = [p.name for p in layout.pods if p.owner == "rollstream-redis-ha"]
+    assert len(redis_pods) == 6  # three pods, two containers each
+    pods = PodRun(layout, tmp_path / "pods")
+    _prompts(pods.claim("rollstream-prompts") / "prompts.jsonl", 64)
+    started = time.monotonic()
+    try:
+        pods.start()
+        _run_to_its_end(pods)
+        run_s = time.monotonic() - started
+        assert all(pods.ready(n) for n in redis_pods)  # redis-cli ping, the data nodes' and Sentinels'
+        _status_in_the_metrics_pod(pods)
+        primary = "rollstream-redis-ha-0.rollstream-redis-ha.rollstream.svc"
+        for i in range(3):
+            ask = ["redis-cli", "-p", "26379", "sentinel", "get-master-addr-by-name", "rollstream-redis"]
+            named = pods.exec(f"rollstream-redis-ha-{i}:sentinel", ask)
+            assert named.stdout.split()[:1] == [primary], (named.stdout, named.stderr)
+        replication = pods.exec("rollstream-redis-ha-0", ["redis-cli", "info", "replication"]).stdout
+        assert "role:master" in replication and "connected_slaves:2" in replication, replication
+        for i in range(3):
+            files = list(pods.claim(f"data-rollstream-redis-ha-{i}").rglob("*"))
+            assert files and all(f.stat().st_uid == 999 for f in files)
+        print(f"k8s run with failover Redis: {run_s:.0f} s to the end of the run; "
+              f"Jobs' failed pods made again: {({n: f for n, f in pods.failures.items() if f})}")  # fmt: skip
+    finally:
+        pods.close()
