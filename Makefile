@@ -149,8 +149,8 @@ compose-check: $(DEV)
 # deploy/k8s run as a cluster would run it (tests/integration/test_k8s_hosts.py): each pod of
 # the manifests on an emulated host of its own (chaos/k8s_pods.py over chaos/hosts.py), with
 # the manifests' command lines, environment, users and volumes, the RayCluster as KubeRay
-# starts it; a short run to its end, all torn down. Needs root, iproute2 and util-linux;
-# about 1-2 minutes (more on a loaded machine).
+# starts it; a short run to its end, then again with ha/redis-ha.yaml, all torn down. Needs
+# root, iproute2 and util-linux; about 3 minutes (more on a loaded machine).
 k8s-check: $(DEV)
 	$(PY) -m pytest -m heavy tests/integration/test_k8s_hosts.py -v
 
