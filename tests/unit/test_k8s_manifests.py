@@ -119,3 +119,24 @@ def test_a_manifest_it_cannot_read_is_named(tmp_path: Path) -> None:
     )
     with pytest.raises(ManifestError, match="runAsNonRoot"):
         k8s_manifests.load([bad])
+
+
+def test_a_pods_containers_share_its_volumes_and_name() -> None:
+    """ha/redis-ha.yaml: each pod a data node and a Sentinel, one name (the fieldRef that
+    SELF is made of), one set of volumes; each container its own command."""
+    k8s = ROOT / "deploy" / "k8s"
+    made = k8s_manifests.load([k8s / "config.yaml", k8s / "ha" / "redis-ha.yaml"])
+    resolve(made, {p.name: "10.0.0.9" for p in made.pods})
+    data, sentinel = made.pod("rollstream-redis-ha-1"), made.pod("rollstream-redis-ha-1:sentinel")
+    assert sentinel.pod_name == data.name == "rollstream-redis-ha-1"
+    assert (
+        data.env["SELF"] == sentinel.env["SELF"] == "rollstream-redis-ha-1.rollstream-redis-ha.rollstream.svc"
+    )
+    assert data.command[-1] == "data" and sentinel.command[-1] == "sentinel"
+    assert data.volumes is sentinel.volumes and data.volumes["data"].source == "data-rollstream-redis-ha-1"
+    service = next(s for s in made.services if s.name == "rollstream-redis-ha")
+    assert service.headless and [p.name for p in made.backing(service)] == [
+        f"rollstream-redis-ha-{i}" for i in range(3)
+    ]
+    hosts = host_names(made.pods)
+    assert hosts["rollstream-redis-ha-1:sentinel"] == hosts["rollstream-redis-ha-1"]
