@@ -5,7 +5,7 @@ reads them), so that a run goes through the manifests as a cluster would run the
 
     layout = k8s_manifests.load(manifest_paths(), replicas={"rollstream-ray/gpu": 1})
     with PodRun(layout, out).start() as pods:
-        pods.wait_exit("rollstream-trainer", 600)
+        pods.wait_exit(["rollstream-trainer"], 600)
         pods.exec("rollstream-metrics-0", ["rollstream", "status", "--json"])
 
 What each part of a node becomes here:
@@ -30,8 +30,12 @@ What each part of a node becomes here:
 - the user: ``setpriv`` with the pod's runAsUser, runAsGroup and fsGroup (a supplementary
   group, as the kubelet adds it), no capabilities left, ``--no-new-privs`` for
   ``allowPrivilegeEscalation: false``;
-- a Job's pod is not restarted (a failure is the caller's to report), nor a
-  Deployment's; ``terminate`` is the kubelet's SIGTERM, then SIGKILL after the grace.
+- a pod's containers: on the pod's one host (one mount namespace, the union of their
+  mounts, which must agree), each with its own command, environment and user;
+- a Job's failed pod is made again after the Job controller's backoff, up to its
+  ``backoffLimit``, unless its ``podFailurePolicy`` fails the Job (``poll``); a
+  Deployment's pod is not restarted here (``launch`` does it where a test wants the
+  restart); ``terminate`` is the kubelet's SIGTERM, then SIGKILL after the grace.
 
 The mount points the manifests name that the machine lacks (/data, /state, /weights,
 ...) are made as empty folders and removed at the end unless another PodRun is live.
@@ -107,7 +111,6 @@ class PodRun:
         self.exits: dict[str, int] = {}  # a pod's exit; a Job's once it is over
         self.failures: dict[str, list[int]] = {}  # a Job's failed pods, made again
         self._again: dict[str, float] = {}  # a Job's pod to make again, when
-        self._made: list[Path] = []
         self._user: dict[str, tuple[int, int]] = {}
         self._mounted: dict[str, dict[str, str]] = {}  # host -> mount path -> volume
         self._lock: IO[bytes] | None = None
@@ -146,16 +149,18 @@ class PodRun:
         self.close()
 
     def _mountpoints(self) -> None:
-        """The folders the pods mount on that the machine lacks, made empty (and noted)."""
+        """The folders the pods mount on that the machine lacks, made empty, and noted in
+        the lock file (shared while a run lives): the last run to end removes them."""
         MOUNTPOINTS_LOCK.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = MOUNTPOINTS_LOCK.open("ab")
+        self._lock = MOUNTPOINTS_LOCK.open("a+b")
         fcntl.flock(self._lock, fcntl.LOCK_SH)  # held while this run lives
         wanted = {m.path for p in self.layout.pods for m in p.mounts} | {IMAGE_WORKDIR}
         for path in sorted(map(Path, wanted)):
             missing = [p for p in (path, *path.parents) if not p.exists()]
             for folder in reversed(missing):
                 folder.mkdir()
-                self._made.append(folder)
+                self._lock.write(f"{folder}\n".encode())
+                self._lock.flush()
 
     def hosts_file(self, pod: Pod) -> str:
         lines = ["127.0.0.1\tlocalhost", f"{pod.address}\t{pod.pod_name} {self.hostname[pod.name]}"]
@@ -386,9 +391,11 @@ class PodRun:
         if self._lock is not None:
             try:  # the last live run removes the mount points
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                for folder in reversed(self._made):
+                self._lock.seek(0)
+                for line in reversed(self._lock.read().decode().splitlines()):
                     with contextlib.suppress(OSError):
-                        folder.rmdir()
+                        Path(line).rmdir()  # only if still empty
+                self._lock.truncate(0)
             except BlockingIOError:
                 pass
             self._lock.close()
