@@ -323,7 +323,8 @@ class PodRun:
             if kind == "httpGet":
                 url = f"http://{pod.address}:{port}{probe['httpGet'].get('path', '/')}"
                 with urllib.request.urlopen(url, timeout=timeout) as answer:
-                    return 200 <= answer.status < 400
+                    status: int = answer.status
+                return 200 <= status < 400
             socket.create_connection((pod.address, port), timeout=timeout).close()
             return True
         except OSError:
