@@ -85,18 +85,22 @@ def _finish_env(layout: Layout, pod: Pod, services: dict[str, str]) -> None:
         if "value" in var:
             env[var["name"]] = expand(str(var["value"]), env)
         else:
-            env[var["name"]] = _value_from(layout, pod, var)
+            value = _value_from(layout, pod, var)
+            if value is not None:  # None: an optional reference to a key no manifest has
+                env[var["name"]] = value
     pod.env = env
     pod.command = [expand(arg, env) for arg in pod.command]
 
 
-def _value_from(layout: Layout, pod: Pod, var: dict[str, Any]) -> str:
+def _value_from(layout: Layout, pod: Pod, var: dict[str, Any]) -> str | None:
     source = var.get("valueFrom") or {}
     for key, table, what in (("secretKeyRef", layout.secrets, "Secret"),
                              ("configMapKeyRef", layout.maps, "ConfigMap")):  # fmt: skip
         if key in source:
             ref = source[key]
             value = table.get(ref["name"], {}).get(ref["key"])
+            if value is None and ref.get("optional"):
+                return None
             if value is None:
                 raise ManifestError(
                     f"{pod.owner}: {var['name']} from {what} {ref['name']!r} key {ref['key']!r}, "

@@ -43,6 +43,10 @@ KUBERAY_HEAD_PORTS = {"gcs": GCS_PORT, "client": 10001, "dashboard": 8265, "metr
 IMAGE_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "HOME": "/home/rollstream"}
 IMAGE_WORKDIR = "/home/rollstream"
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
+# the images this machine stands in for: rollstream's (its venv) and Redis's (its redis-server);
+# a container of another (the Redis exporter) is not started, and said so (Layout.skipped)
+IMAGES = ("rollstream:", "redis:")
+PLACEHOLDERS = ("change-me",)  # a Secret's value that the test makes up (the others are kept)
 IGNORED = ("Namespace", "PersistentVolumeClaim", "NetworkPolicy", "PodDisruptionBudget",
            "ScaledObject", "TriggerAuthentication")  # fmt: skip
 
@@ -94,6 +98,7 @@ class Pod:
     env_list: list[dict[str, Any]] = field(default_factory=list)
     address: str = ""  # filled in once its host has one
     pod_name: str = ""  # the pod's: a container past the first is ``<pod>:<container>``
+    image: str = ""
 
     def __post_init__(self) -> None:
         self.pod_name = self.pod_name or self.name
@@ -118,6 +123,7 @@ class Layout:
     claims: dict[str, str]  # claim name -> access mode
     maps: dict[str, dict[str, str]] = field(default_factory=dict)  # ConfigMaps' data
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # Secrets' (the values given)
+    skipped: list[str] = field(default_factory=list)  # containers of an image not stood in for
 
     def pod(self, name: str) -> Pod:
         return next(p for p in self.pods if p.name == name)
@@ -154,7 +160,7 @@ def load(
     entries replaced or added (as one edits config.yaml's); ``replicas``: a workload's or
     Ray worker group's (``<cluster>/<group>``) count; ``commands``: a container's command
     line by workload name, replacing the manifest's; ``secret_values``: each Secret
-    key's value (a fresh random one for every key not named)."""
+    key's value (a fresh random one for every placeholder ``change-me`` not named)."""
     docs = read_documents(paths)
     maps: dict[str, dict[str, str]] = {}
     secret_maps: dict[str, dict[str, str]] = {}
@@ -164,7 +170,10 @@ def load(
         elif doc["kind"] == "Secret":
             keys = {**(doc.get("stringData") or {}), **(doc.get("data") or {})}
             chosen = secret_values or {}
-            secret_maps[doc["metadata"]["name"]] = {k: chosen.get(k) or secrets.token_hex(16) for k in keys}
+            secret_maps[doc["metadata"]["name"]] = {
+                k: chosen.get(k) or (secrets.token_hex(16) if str(v) in PLACEHOLDERS else str(v))
+                for k, v in keys.items()
+            }
     if settings:
         maps.setdefault("rollstream-settings", {}).update(settings)
     services = [_service(d) for d in docs if d["kind"] == "Service"]
@@ -188,7 +197,7 @@ def load(
     names = [p.name for p in pods]
     if len(set(names)) != len(names):
         raise ManifestError(f"two pods of the same name: {names}")
-    return Layout(pods, services, claims, maps, secret_maps)
+    return Layout(pods, services, claims, maps, secret_maps, reader.skipped)
 
 
 def _service(doc: dict[str, Any]) -> Service:
@@ -208,6 +217,7 @@ class _Reader:
     ) -> None:
         self.maps, self.secret_maps = maps, secret_maps
         self.replicas, self.commands = replicas, commands
+        self.skipped: list[str] = []
 
     def workload(self, doc: dict[str, Any], claims: dict[str, str]) -> list[Pod]:
         name, kind, spec = doc["metadata"]["name"], doc["kind"], doc["spec"]
@@ -229,7 +239,10 @@ class _Reader:
         for i in range(count):
             pod_name = f"{name}-{i}" if kind != "Job" else name if count == 1 else f"{name}-{i}"
             volumes = {v: Volume(x.name, x.kind, x.source.format(i=i)) for v, x in extra.items()}
-            for index in range(len(template["spec"]["containers"])):
+            for index, container in enumerate(template["spec"]["containers"]):
+                if not str(container.get("image", "")).startswith(IMAGES):
+                    self.skipped.append(f"{pod_name}:{container['name']} ({container.get('image')})")
+                    continue
                 pod = self.pod(pod_name, name, kind, template, volumes, index=index)
                 if kind == "Job":
                     pod.backoff_limit, pod.fail_codes = int(spec.get("backoffLimit", 6)), tuple(fail_codes)
@@ -351,6 +364,7 @@ class _Reader:
         pod = Pod(
             name=name,
             pod_name=pod_name,
+            image=str(container.get("image", "")),
             owner=owner,
             kind=kind,
             labels=dict((template.get("metadata") or {}).get("labels") or {}),

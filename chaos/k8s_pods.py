@@ -66,7 +66,14 @@ from chaos.k8s_manifests import CLUSTER_DOMAIN, IMAGE_WORKDIR, NAMESPACE, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-MANIFESTS = ("config.yaml", "redis.yaml", "ray-cluster.yaml", "processes.yaml", "trainer-job.yaml")
+MANIFESTS = (
+    "config.yaml",
+    "redis-acl.yaml",
+    "redis.yaml",
+    "ray-cluster.yaml",
+    "processes.yaml",
+    "trainer-job.yaml",
+)
 IMAGE_BIN = Path(sys.executable).parent  # the image's /opt/venv/bin
 IMAGE_USER = 1000  # deploy/Dockerfile's USER
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -186,7 +193,10 @@ class PodRun:
         uid = pod.uid if pod.uid is not None else IMAGE_USER
         gid = pod.gid if pod.gid is not None else uid
         self._user[pod.name] = (uid, gid)
-        pod.env["PATH"] = f"{IMAGE_BIN}{os.pathsep}{SYSTEM_PATH}"
+        # rollstream's image: its venv first; Redis's: the machine's redis-server (7.x, not
+        # the 6.2 copy that a venv may hold)
+        rollstream = pod.image.startswith("rollstream:")
+        pod.env["PATH"] = f"{IMAGE_BIN}{os.pathsep}{SYSTEM_PATH}" if rollstream else SYSTEM_PATH
         pod.env.setdefault("HOME", IMAGE_WORKDIR)
         script = ["set -e"]
         if host not in self._mounted:

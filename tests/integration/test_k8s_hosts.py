@@ -54,7 +54,6 @@ OVERRIDES = {
 REPLICAS = {"rollstream-ray/gpu": 1}
 RUN_BUDGET_S = 480  # the run to its end; about a minute on an idle 2-core machine
 STATUS = ["rollstream", "status", "--json"]
-PLAIN_URL = "redis://:$(REDIS_PASSWORD)@rollstream-redis:6379/0"
 
 
 def _require() -> None:
@@ -169,6 +168,25 @@ def test_the_kubernetes_manifests_run_a_short_run_to_its_end(tmp_path: Path) -> 
     assert not pods.work.exists()
 
 
+def _readme_sed() -> tuple[str, str]:
+    """k8s/README.md's Sentinel URL and its sed's pattern, as Python's re takes them: the
+    shell's double quotes undone (``\\$`` is ``$``), then sed's basic regular expression
+    (``\\(...\\)`` a group, a bare parenthesis or ``$`` mid-pattern a character)."""
+    readme = (K8S / "README.md").read_text()
+    url = re.search(r"^ROLLSTREAM_REDIS__URL='([^']+)'", readme, re.M)
+    sed = re.search(r'sed "s\|(.+?)\|\$ROLLSTREAM_REDIS__URL\|"', readme)
+    assert url and sed, "k8s/README.md's failover URL and its sed"
+    bre, out, i = sed.group(1).replace("\\$", "$"), "", 0
+    while i < len(bre):
+        if bre[i] == "\\" and i + 1 < len(bre):
+            out += bre[i + 1] if bre[i + 1] in "()" else re.escape(bre[i + 1])
+            i += 2
+            continue
+        out += re.escape(bre[i]) if bre[i] in "()$+?{}|" else bre[i]
+        i += 1
+    return out, url.group(1)
+
+
 def test_the_failover_redis_runs_with_the_sentinels_url(tmp_path: Path) -> None:
     """k8s/README.md's "Redis with failover", followed: ha/redis-ha.yaml instead of
     redis.yaml (three pods, a data node and a Sentinel each), the README's Sentinel URL
@@ -182,14 +200,13 @@ def test_the_failover_redis_runs_with_the_sentinels_url(tmp_path: Path) -> None:
     from pipeline execution"), which its Job's retry turns into an exit 0 that long after
     (deploy/README.md, "Kubernetes, run on emulated hosts")."""
     _require()
-    readme = (K8S / "README.md").read_text()
-    url = re.search(r"^ROLLSTREAM_REDIS__URL='([^']+)'", readme, re.M)
-    assert url and "sed" in readme
+    pattern, url = _readme_sed()
     for name in ("processes.yaml", "trainer-job.yaml"):
-        text = (K8S / name).read_text()
-        assert PLAIN_URL in text
-        (tmp_path / name).write_text(text.replace(PLAIN_URL, url.group(1)))
-    paths = [K8S / "config.yaml", K8S / "ha" / "redis-ha.yaml", K8S / "ray-cluster.yaml",
+        text, count = re.subn(pattern, url, (K8S / name).read_text())
+        assert count >= 1, name
+        (tmp_path / name).write_text(text)
+    paths = [K8S / "config.yaml", K8S / "redis-acl.yaml", K8S / "ha" / "redis-ha.yaml",
+             K8S / "ray-cluster.yaml",
              tmp_path / "processes.yaml", tmp_path / "trainer-job.yaml"]  # fmt: skip
     layout = _layout(
         paths, {"ROLLSTREAM_REDIS__WAIT_REPLICAS": "2", "ROLLSTREAM_PRODUCER__JUDGE_ON_QUEUE": "false"}
@@ -211,7 +228,9 @@ def test_the_failover_redis_runs_with_the_sentinels_url(tmp_path: Path) -> None:
             ask = ["redis-cli", "-p", "26379", "sentinel", "get-master-addr-by-name", "rollstream-redis"]
             named = pods.exec(f"rollstream-redis-ha-{i}:sentinel", ask)
             assert named.stdout.split()[:1] == [primary], (named.stdout, named.stderr)
-        replication = pods.exec("rollstream-redis-ha-0", ["redis-cli", "info", "replication"]).stdout
+        admin = layout.secrets["rollstream-redis-users"]["REDIS_PASSWORD_ADMIN"]
+        ask = ["env", f"REDISCLI_AUTH={admin}", "redis-cli", "--user", "admin", "info", "replication"]
+        replication = pods.exec("rollstream-redis-ha-0", ask).stdout
         assert "role:master" in replication and "connected_slaves:2" in replication, replication
         for i in range(3):
             files = list(pods.claim(f"data-rollstream-redis-ha-{i}").rglob("*"))

@@ -22,7 +22,7 @@ from rollstream.shared.settings import load_settings
 @pytest.fixture
 def layout() -> k8s_manifests.Layout:
     made = k8s_manifests.load(
-        manifest_paths(), secret_values={"redis-password": "pw$1", "ray-auth-token": "tok"}
+        manifest_paths(), secret_values={"REDIS_PASSWORD_PRODUCER": "pw$1", "ray-auth-token": "tok"}
     )
     resolve(made, {p.name: f"10.0.0.{i}" for i, p in enumerate(made.pods, start=1)})
     return made
@@ -57,9 +57,14 @@ def test_kuberay_command_lines(layout: k8s_manifests.Layout) -> None:
 
 def test_the_environment_as_the_kubelet_makes_it(layout: k8s_manifests.Layout) -> None:
     producer = layout.pod("rollstream-producer-0")
-    assert producer.env["ROLLSTREAM_REDIS__URL"] == "redis://:pw$1@rollstream-redis:6379/0"
+    assert producer.env["ROLLSTREAM_REDIS__URL"] == "redis://producer:pw$1@rollstream-redis:6379/0"
     assert producer.env["RAY_AUTH_TOKEN"] == "tok"
     assert producer.env["ROLLSTREAM_RUN"] == "exp1"  # envFrom the ConfigMap
+    users = layout.secrets["rollstream-redis-users"]
+    assert users["REDIS_USERNAME_MONITOR"] == "monitor" and users["REDIS_PASSWORD_ADMIN"] != "change-me"
+    assert any(
+        s.startswith("rollstream-redis-0:redis-exporter") for s in layout.skipped
+    )  # no such image here
     assert (producer.uid, producer.gid, producer.fs_group) == (1000, 1000, 1000)
     redis = layout.pod("rollstream-redis-0")
     assert redis.uid == 999 and redis.volumes["data"].source == "data-rollstream-redis-0"
@@ -115,7 +120,7 @@ def test_a_manifest_it_cannot_read_is_named(tmp_path: Path) -> None:
     bad.write_text(
         "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j}\nspec:\n  template:\n    spec:\n"
         "      restartPolicy: Never\n      securityContext: {runAsNonRoot: true, runAsUser: 0}\n"
-        "      containers: [{name: c, command: [x]}]\n"
+        "      containers: [{name: c, image: \"rollstream:x\", command: [x]}]\n"
     )
     with pytest.raises(ManifestError, match="runAsNonRoot"):
         k8s_manifests.load([bad])
@@ -125,7 +130,7 @@ def test_a_pods_containers_share_its_volumes_and_name() -> None:
     """ha/redis-ha.yaml: each pod a data node and a Sentinel, one name (the fieldRef that
     SELF is made of), one set of volumes; each container its own command."""
     k8s = ROOT / "deploy" / "k8s"
-    made = k8s_manifests.load([k8s / "config.yaml", k8s / "ha" / "redis-ha.yaml"])
+    made = k8s_manifests.load([k8s / "config.yaml", k8s / "redis-acl.yaml", k8s / "ha" / "redis-ha.yaml"])
     resolve(made, {p.name: "10.0.0.9" for p in made.pods})
     data, sentinel = made.pod("rollstream-redis-ha-1"), made.pod("rollstream-redis-ha-1:sentinel")
     assert sentinel.pod_name == data.name == "rollstream-redis-ha-1"
