@@ -1,5 +1,5 @@
 """deploy/k8s run as a cluster would run it (`make k8s-check`): every pod of config.yaml,
-redis.yaml, ray-cluster.yaml, processes.yaml and trainer-job.yaml on an emulated host of
+redis-acl.yaml, redis.yaml, ray-cluster.yaml, processes.yaml and trainer-job.yaml on an emulated host of
 its own (chaos/k8s_pods.py over chaos/hosts.py: its own address, network, PID and mount
 namespaces), with the command line, environment (envFrom, env, the Secret's keys, the
 kubelet's Service variables), user (runAsUser, runAsGroup, fsGroup) and volumes that the
@@ -21,7 +21,10 @@ short run), as ConfigMap entries or command lines the test gives:
   GPUs; the simulated engines serve none) and with ``--steps 3``, not 1000;
 - ``ROLLSTREAM_ROLLOUT__BATCH_SIZE=8`` and ``ROLLSTREAM_PROCESS__STOP_TIMEOUT_S=10``;
 - the GPU worker group scaled to 1 replica (2 in the manifest);
-- the Secret's values: fresh random ones; the prompts claim: 64 prompts of a test's own.
+- the Secrets' ``change-me`` placeholders: fresh random values; the prompts claim: 64
+  prompts of a test's own;
+- the Redis exporter's container (``oliver006/redis_exporter``, an image this machine has
+  no stand-in for) is not started; Redis's containers run the machine's redis-server.
 
 Needs root, iproute2 and util-linux (setpriv, nsenter, unshare): skipped elsewhere, a
 failure in CI."""
