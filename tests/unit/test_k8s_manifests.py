@@ -120,7 +120,7 @@ def test_a_manifest_it_cannot_read_is_named(tmp_path: Path) -> None:
     bad.write_text(
         "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j}\nspec:\n  template:\n    spec:\n"
         "      restartPolicy: Never\n      securityContext: {runAsNonRoot: true, runAsUser: 0}\n"
-        "      containers: [{name: c, image: \"rollstream:x\", command: [x]}]\n"
+        '      containers: [{name: c, image: "rollstream:x", command: [x]}]\n'
     )
     with pytest.raises(ManifestError, match="runAsNonRoot"):
         k8s_manifests.load([bad])
