@@ -32,6 +32,15 @@ class FollowingConnection(SentinelManagedConnection):
             self.host, self.port = self.connection_pool.get_master_address()
         return super()._connect()  # type: ignore[no-untyped-call]
 
+    def read_response(self, *args: Any, disconnect_on_error: bool = True, **kwargs: Any) -> Any:
+        """A read cut short by an exception (a signal's: rq's warm stop raises StopRequested
+        in the middle of its blocking dequeue) drops the connection, as redis-py's plain
+        Connection does. redis-py's SentinelManagedConnection keeps it (its default is
+        False), with the reply still on its way: the pool hands it out again and the next
+        command reads that reply (a BLMOVE's, 405 s later) for its own; the judge then
+        hung for minutes on the run's stop and died on "Wrong number of response items"."""
+        return super().read_response(*args, disconnect_on_error=disconnect_on_error, **kwargs)
+
 
 class FollowingSSLConnection(FollowingConnection, SSLConnection):
     """FollowingConnection over TLS (rediss+sentinel://)."""
