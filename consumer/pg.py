@@ -23,8 +23,8 @@ import numpy as np
 from rollstream.consumer.advantages import batch_advantages
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.lora import adapter_tensors, apply_lora
-from rollstream.consumer.losses import AlgorithmConfig, policy_loss
-from rollstream.consumer.tensors import TokenBatch, to_padded, token_logprobs
+from rollstream.consumer.losses import AlgorithmConfig, LossSums, divisor, policy_loss_part
+from rollstream.consumer.tensors import TokenBatch, padded_chunks, token_logprobs
 from rollstream.shared import models
 from rollstream.shared.records import Group
 from rollstream.shared.transports import Sender, TransportSettings, sender_for, unique_tensors
@@ -59,8 +59,8 @@ class PolicyGradient:
         # whether the model's forward can leave the prompt's logits out (logprobs)
         base = model.get_base_model() if self.lora else model
         self._keeps_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=lr)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr)
         self.out_dir = Path(out_dir)
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
@@ -73,7 +73,17 @@ class PolicyGradient:
 
     def __call__(self, batch: TrainBatch) -> float:
         """One optimizer step on the batch; returns the loss (0.0, and no step, when no
-        group carries a signal: every advantage zero)."""
+        group carries a signal: every advantage zero).
+
+        The batch goes through the model ``algorithm.micro_batch_size`` samples at a time
+        (0: all at once), each micro-batch padded to its own longest sequence and its
+        activations freed by its own backward pass: a step holds one micro-batch's. The
+        update is still the whole batch's: each micro-batch backpropagates its share of
+        the loss's numerator and the summed gradient is divided by the whole batch's
+        divisor (``consumer.losses.policy_loss_part``); the metrics are the whole batch's
+        too. No optimizer step comes between the micro-batches, so each one's forward pass
+        runs with the weights of just before the update: decoupled PPO's proximal policy
+        for all of them, no second pass needed."""
         torch = self.torch
         cfg = self.algorithm
         groups = batch.groups
@@ -83,25 +93,33 @@ class PolicyGradient:
             return 0.0
         if cfg.needs_behaviour_logprobs:
             _require_logprobs(groups, cfg)
-        tokens = to_padded(groups, advantages, pad_id=self.pad_id, device=self.device)
-        logprobs = self.logprobs(tokens)
-        # decoupled PPO's proximal policy is the one of just before the update: with one
-        # update per batch, the weights this forward pass ran with (no second pass needed)
-        proximal = logprobs.detach() if cfg.needs_proximal_logprobs else None
-        loss, metrics = policy_loss(
-            logprobs,
-            tokens.old_logprobs,  # NaN where an engine recorded none: refused where needed
-            tokens.advantages,
-            tokens.loss_mask,
-            cfg,
-            proximal_logprobs=proximal,
-        )
+        size = cfg.micro_batch_size
+        chunks = padded_chunks(groups, advantages, size, pad_id=self.pad_id, device=self.device)
+        # where a sample has none, pg without a correction trains without the behaviour
+        # logprobs and reports no ratio: for the whole batch, as one pass over it would
+        recorded = all(bool(t.logprobs_known[t.loss_mask].all()) for t in chunks)
         self.optimizer.zero_grad()
-        torch.autograd.backward(loss)
+        total = LossSums()
+        for tokens in chunks:
+            logprobs = self.logprobs(tokens)
+            numerator, sums = policy_loss_part(
+                logprobs,
+                tokens.old_logprobs if recorded else None,  # NaN where none: refused where needed
+                tokens.advantages,
+                tokens.loss_mask,
+                cfg,
+                proximal_logprobs=logprobs.detach() if cfg.needs_proximal_logprobs else None,
+            )
+            torch.autograd.backward(numerator)
+            total.add(sums)
+        scale = divisor(cfg.agg, total.count, cfg.agg_norm)
+        for parameter in self.trainable:
+            if parameter.grad is not None:
+                parameter.grad.div_(scale)
         self.optimizer.step()
-        self.metrics = metrics
-        log.debug("train step %d: %s", batch.train_step, metrics)
-        return float(loss.detach())
+        self.metrics = total.metrics(cfg)
+        log.debug("train step %d: %s", batch.train_step, self.metrics)
+        return self.metrics["loss"]
 
     def logprobs(self, tokens: TokenBatch) -> Any:
         """The model's logprob of each position's target token, aligned with

@@ -61,7 +61,7 @@ from rollstream.shared.records import Group, Sample
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TokenBatch", "samples_of", "to_packed", "to_padded", "token_logprobs"]
+__all__ = ["TokenBatch", "padded_chunks", "samples_of", "to_packed", "to_padded", "token_logprobs"]
 
 
 @dataclass(slots=True)
@@ -176,9 +176,33 @@ def to_padded(
     ``loss_masks``: one per sample, None or 0/1 per response token, narrows that further
     (a token trains where both say 1).
     """
+    return _padded(_rows(batch, advantages, loss_masks, pad_id), pad_id, device)
+
+
+def padded_chunks(
+    batch: TrainBatch | Iterable[Group],
+    advantages: npt.ArrayLike | None = None,
+    size: int = 0,
+    *,
+    pad_id: int = 0,
+    loss_masks: Sequence[npt.ArrayLike | None] | None = None,
+    device: str | torch.device | None = None,
+) -> list[TokenBatch]:
+    """``to_padded`` of the batch's samples ``size`` at a time, in batch order (0: all in
+    one), each chunk padded to its own longest sequence: a trainer's micro-batches, whose
+    activations are what a step's memory goes to, so a chunk of short samples is not
+    padded to the batch's longest. Arguments as ``to_padded``'s (sample indexes in its
+    errors are the batch's); ``seq_index`` counts from 0 in each chunk."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"size is {size!r}: samples per chunk, a whole number >= 0 (0: the whole batch)")
+    rows = _rows(batch, advantages, loss_masks, pad_id)
+    step = size or max(len(rows), 1)
+    return [_padded(rows[start : start + step], pad_id, device) for start in range(0, len(rows), step)]
+
+
+def _padded(rows: list[_Row], pad_id: int, device: str | torch.device | None) -> TokenBatch:
     import torch
 
-    rows = _rows(batch, advantages, loss_masks, pad_id)
     b, t = len(rows), max((len(r.ids) for r in rows), default=0)
 
     def stack(field: str, fill: Any, dtype: Any) -> torch.Tensor:
