@@ -97,6 +97,7 @@ __all__ = [
     "LossSums",
     "aggregate",
     "aggregate_terms",
+    "aggregation_count",
     "divisor",
     "masked_is_weights",
     "pg_token_loss",
@@ -160,18 +161,30 @@ def aggregate_terms(
     import torch
 
     mask = loss_mask.bool()
+    counted = aggregation_count(mask, mode, seq_index=seq_index)
     values = torch.where(mask, per_token, torch.zeros_like(per_token))
     if mode == "token_mean":
-        return values.sum(), float(mask.sum())
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"agg is {mode!r}; allowed: {', '.join(AGGREGATIONS)}")
+        return values.sum(), counted
     index, count = _sequences(values, seq_index)
     sums = _segment_sum(values, index, count)
-    tokens = _segment_sum(mask.to(values.dtype), index, count)
-    sequences = float((tokens > 0).sum())
     if mode == "seq_mean_token_mean":
-        return (sums / tokens.clamp(min=1)).sum(), sequences
-    return sums.sum(), sequences
+        tokens = _segment_sum(mask.to(values.dtype), index, count)
+        return (sums / tokens.clamp(min=1)).sum(), counted
+    return sums.sum(), counted
+
+
+def aggregation_count(
+    loss_mask: torch.Tensor, mode: Aggregation = "token_mean", *, seq_index: torch.Tensor | None = None
+) -> float:
+    """The count ``aggregate``'s divisor is made of: the tokens on ``loss_mask`` for
+    token_mean, the sequences with one for the seq_mean modes."""
+    mask = loss_mask.bool()
+    if mode == "token_mean":
+        return float(mask.sum())
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"agg is {mode!r}; allowed: {', '.join(AGGREGATIONS)}")
+    index, count = _sequences(mask, seq_index)
+    return float((_segment_sum(mask.float(), index, count) > 0).sum())
 
 
 def divisor(mode: Aggregation, count: float, norm: float = 1.0) -> float:

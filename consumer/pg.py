@@ -23,7 +23,13 @@ import numpy as np
 from rollstream.consumer.advantages import batch_advantages
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.lora import adapter_tensors, apply_lora
-from rollstream.consumer.losses import AlgorithmConfig, LossSums, divisor, policy_loss_part
+from rollstream.consumer.losses import (
+    AlgorithmConfig,
+    LossSums,
+    aggregation_count,
+    divisor,
+    policy_loss_part,
+)
 from rollstream.consumer.tensors import TokenBatch, padded_chunks, token_logprobs
 from rollstream.shared import models
 from rollstream.shared.records import Group
@@ -79,12 +85,11 @@ class PolicyGradient:
         (0: all at once), each micro-batch padded to its own longest sequence and its
         activations freed by its own backward pass: a step holds one micro-batch's. The
         update is still the whole batch's: each micro-batch backpropagates its share of
-        the loss's numerator and the summed gradient is divided by the whole batch's
-        divisor (``consumer.losses.policy_loss_part``); the metrics are the whole batch's
-        too. No optimizer step comes between the micro-batches, so each one's forward pass
-        runs with the weights of just before the update: decoupled PPO's proximal policy
-        for all of them, no second pass needed."""
-        torch = self.torch
+        the loss, its numerator over the whole batch's divisor
+        (``consumer.losses.policy_loss_part``), and the metrics are the whole batch's too.
+        No optimizer step comes between the micro-batches, so each one's forward pass runs
+        with the weights of just before the update: decoupled PPO's proximal policy for
+        all of them, no second pass needed."""
         cfg = self.algorithm
         groups = batch.groups
         advantages = batch_advantages(groups, cfg.advantage, eps=cfg.adv_eps, std=cfg.adv_std)
@@ -95,10 +100,27 @@ class PolicyGradient:
             _require_logprobs(groups, cfg)
         size = cfg.micro_batch_size
         chunks = padded_chunks(groups, advantages, size, pad_id=self.pad_id, device=self.device)
+        self.optimizer.zero_grad()
+        total = self._accumulate(chunks)
+        self.optimizer.step()
+        self.metrics = total.metrics(cfg)
+        log.debug("train step %d: %s", batch.train_step, self.metrics)
+        return self.metrics["loss"]
+
+    def _accumulate(self, chunks: list[TokenBatch]) -> LossSums:
+        """The whole batch's gradient from its micro-batches, and its loss's sums.
+
+        Each micro-batch's numerator is divided by the divisor the loss masks give, known
+        before any forward pass, and the gradient is rescaled afterwards where the true
+        one differed: masked IS drops sequences out of it by the ratios the passes
+        compute. With one micro-batch its own count is the true one, so the whole batch
+        in one pass computes exactly what ``policy_loss`` would."""
+        torch = self.torch
+        cfg = self.algorithm
         # where a sample has none, pg without a correction trains without the behaviour
         # logprobs and reports no ratio: for the whole batch, as one pass over it would
         recorded = all(bool(t.logprobs_known[t.loss_mask].all()) for t in chunks)
-        self.optimizer.zero_grad()
+        count = sum(aggregation_count(t.loss_mask, cfg.agg) for t in chunks)
         total = LossSums()
         for tokens in chunks:
             logprobs = self.logprobs(tokens)
@@ -110,16 +132,15 @@ class PolicyGradient:
                 cfg,
                 proximal_logprobs=logprobs.detach() if cfg.needs_proximal_logprobs else None,
             )
-            torch.autograd.backward(numerator)
+            count = sums.count if len(chunks) == 1 else count
+            torch.autograd.backward(numerator / divisor(cfg.agg, count, cfg.agg_norm))
             total.add(sums)
-        scale = divisor(cfg.agg, total.count, cfg.agg_norm)
-        for parameter in self.trainable:
-            if parameter.grad is not None:
-                parameter.grad.div_(scale)
-        self.optimizer.step()
-        self.metrics = total.metrics(cfg)
-        log.debug("train step %d: %s", batch.train_step, self.metrics)
-        return self.metrics["loss"]
+        if total.count != count:
+            scale = divisor(cfg.agg, count, cfg.agg_norm) / divisor(cfg.agg, total.count, cfg.agg_norm)
+            for parameter in self.trainable:
+                if parameter.grad is not None:
+                    parameter.grad.mul_(scale)
+        return total
 
     def logprobs(self, tokens: TokenBatch) -> Any:
         """The model's logprob of each position's target token, aligned with

@@ -275,10 +275,11 @@ def to_packed(
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)`` at each position's target token ([..., T, V] and [..., T]
-    → [..., T]), in float32: the current policy's logprobs, aligned with
+    → [..., T]), in float32 at least: the current policy's logprobs, aligned with
     ``TokenBatch.old_logprobs``. The engines record logprobs of the untempered
-    distribution (temperature 1), and so does this."""
+    distribution (temperature 1), and so does this. Float64 logits stay float64 (a test
+    that compares two ways of computing one update needs its precision)."""
     import torch
 
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
