@@ -6,7 +6,9 @@ tensors with the behaviour logprobs the engines recorded (``consumer.tensors``),
 the policy loss: plain policy gradient by default, PPO-clip against the behaviour
 logprobs, or AReaL's decoupled PPO (the proximal logprobs recomputed with the weights
 of just before the update), with an optional truncated or masked importance
-correction for stale samples. After the step the weights go to a safetensors
+correction for stale samples. ``algorithm.micro_batch_size`` runs the batch through the
+model that many samples at a time (gradient accumulation, the same update), which bounds
+a real model's step in memory. After the step the weights go to a safetensors
 directory that the hf engines load when the trainer publishes the new model step with
 its path.
 """

@@ -30,7 +30,8 @@ its tokens and NaN in ``old_logprobs`` there, so that no loss can take it for a 
 value: ``losses.policy_loss`` refuses it where the loss needs the behaviour policy.
 
 Padded (``to_padded``): one row per sample, right padding with ``pad_id``,
-``attention_mask`` 0 on padding. Packed (``to_packed``): all samples in one row
+``attention_mask`` 0 on padding; ``padded_chunks`` pads a trainer's micro-batches each to
+its own longest sequence. Packed (``to_packed``): all samples in one row
 ``[1, N]`` with no padding; ``position_ids`` restart at 0 at each sequence and
 ``cu_seqlens`` ([S + 1], int32) holds the boundaries, as varlen attention kernels take
 them (transformers' flash_attention_2 finds them from ``position_ids``). A packed row

@@ -6,7 +6,7 @@ aggregation.
 The model runs in float64 throughout (its RMSNorms too, which transformers' Llama
 computes in float32 whatever the model's dtype): in float32 the gradients of the two
 ways agree within ~1e-7 of their size, and AdamW's first step, which divides each entry
-by its own magnitude, turns that into up to ~1e-4 on the parameters whose gradient is
+by its own magnitude, turns that into up to ~5e-4 on the parameters whose gradient is
 nearly zero. In float64 they agree to 1e-9. The parameters are compared after the step,
 and the gradients and the loss too: AdamW's first step moves each parameter by about lr
 whatever its gradient's scale, so a wrong divisor shows in those.
