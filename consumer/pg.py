@@ -121,7 +121,9 @@ class PolicyGradient:
         cfg = self.algorithm
         # where a sample has none, pg without a correction trains without the behaviour
         # logprobs and reports no ratio: for the whole batch, as one pass over it would
-        recorded = all(bool(t.logprobs_known[t.loss_mask].all()) for t in chunks)
+        recorded = cfg.needs_behaviour_logprobs or all(
+            bool(t.logprobs_known[t.loss_mask].all()) for t in chunks
+        )
         count = sum(aggregation_count(t.loss_mask, cfg.agg) for t in chunks)
         total = LossSums()
         for tokens in chunks:
