@@ -106,7 +106,8 @@ def child(model: str, size: int, samples: int) -> dict[str, Any]:
     )  # fmt: skip
     if out.returncode:
         raise SystemExit(f"micro_batch_size {size}: exit {out.returncode}\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    row: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return row
 
 
 def main() -> None:
