@@ -114,7 +114,10 @@ def plain(args: argparse.Namespace, held_out: list[Any], target: float) -> dict[
     curve: list[tuple[int, float, float]] = []
     with tempfile.TemporaryDirectory() as out:
         policy = PolicyGradient(
-            arithmetic.MODEL, out, lr=ARITHMETIC.lr, algorithm=learning.RECIPES["sync"].algorithm
+            arithmetic.MODEL,
+            out,
+            lr=ARITHMETIC.lr,
+            algorithm=ARITHMETIC.algorithm(learning.RECIPES["sync"].algorithm),
         )
         _, tokenizer = arithmetic.load(arithmetic.MODEL)
         steps = 0

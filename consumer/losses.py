@@ -76,6 +76,7 @@ A sequence counts when it has at least one trained token.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeAlias, get_args
 
 from rollstream.shared.algorithm_settings import (
@@ -93,10 +94,15 @@ __all__ = [
     "IMPORTANCE_CORRECTIONS",
     "POLICY_LOSSES",
     "AlgorithmConfig",
+    "LossSums",
     "aggregate",
+    "aggregate_terms",
+    "aggregation_count",
+    "divisor",
     "masked_is_weights",
     "pg_token_loss",
     "policy_loss",
+    "policy_loss_part",
     "ppo_clip_token_loss",
     "truncated_is_weights",
 ]
@@ -141,6 +147,52 @@ def _segment_sum(values: torch.Tensor, index: torch.Tensor, count: int) -> torch
     return values.new_zeros(count).index_add(0, index.reshape(-1), values.reshape(-1))
 
 
+def aggregate_terms(
+    per_token: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: Aggregation = "token_mean",
+    *,
+    seq_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float]:
+    """``aggregate``'s numerator (with gradient) and the count its divisor is made of
+    (trained tokens for token_mean, sequences with a trained token for the seq_mean
+    modes), apart: both add up over a batch's micro-batches split by sequence, so their
+    sums divided (``divisor``) are the whole batch's loss."""
+    import torch
+
+    mask = loss_mask.bool()
+    counted = aggregation_count(mask, mode, seq_index=seq_index)
+    values = torch.where(mask, per_token, torch.zeros_like(per_token))
+    if mode == "token_mean":
+        return values.sum(), counted
+    index, count = _sequences(values, seq_index)
+    sums = _segment_sum(values, index, count)
+    if mode == "seq_mean_token_mean":
+        tokens = _segment_sum(mask.to(values.dtype), index, count)
+        return (sums / tokens.clamp(min=1)).sum(), counted
+    return sums.sum(), counted
+
+
+def aggregation_count(
+    loss_mask: torch.Tensor, mode: Aggregation = "token_mean", *, seq_index: torch.Tensor | None = None
+) -> float:
+    """The count ``aggregate``'s divisor is made of: the tokens on ``loss_mask`` for
+    token_mean, the sequences with one for the seq_mean modes."""
+    mask = loss_mask.bool()
+    if mode == "token_mean":
+        return float(mask.sum())
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"agg is {mode!r}; allowed: {', '.join(AGGREGATIONS)}")
+    index, count = _sequences(mask, seq_index)
+    return float((_segment_sum(mask.float(), index, count) > 0).sum())
+
+
+def divisor(mode: Aggregation, count: float, norm: float = 1.0) -> float:
+    """What ``aggregate`` divides its numerator by, from ``aggregate_terms``' count: at
+    least 1, times ``norm`` for seq_mean_token_sum."""
+    return max(count, 1.0) * (norm if mode == "seq_mean_token_sum" else 1.0)
+
+
 def aggregate(
     per_token: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -151,21 +203,8 @@ def aggregate(
 ) -> torch.Tensor:
     """The scalar loss from per-token losses over ``loss_mask`` (see the module
     docstring); 0 (with a gradient of zeros) when the mask is empty."""
-    import torch
-
-    mask = loss_mask.bool()
-    values = torch.where(mask, per_token, torch.zeros_like(per_token))
-    if mode == "token_mean":
-        return values.sum() / mask.sum().clamp(min=1)
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"agg is {mode!r}; allowed: {', '.join(AGGREGATIONS)}")
-    index, count = _sequences(values, seq_index)
-    sums = _segment_sum(values, index, count)
-    tokens = _segment_sum(mask.to(values.dtype), index, count)
-    sequences = (tokens > 0).sum().clamp(min=1)
-    if mode == "seq_mean_token_mean":
-        return (sums / tokens.clamp(min=1)).sum() / sequences
-    return sums.sum() / (sequences * norm)
+    numerator, count = aggregate_terms(per_token, loss_mask, mode, seq_index=seq_index)
+    return numerator / divisor(mode, count, norm)
 
 
 def pg_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -241,16 +280,52 @@ def masked_is_weights(
 # --- the composed loss -------------------------------------------------------------------
 
 
-def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    count = int(mask.sum())
-    return float(values[mask].sum()) / count if count else 0.0
+@dataclass(slots=True)
+class LossSums:
+    """A batch's loss and metrics as what adds up over its micro-batches (split by
+    sequence): the aggregation's numerator and count (``aggregate_terms``), each mean's
+    sum and count, each extreme. ``add`` takes in another micro-batch's; ``metrics`` are
+    then the whole batch's, as ``policy_loss`` reports them for it in one pass."""
 
+    numerator: float = 0.0
+    count: float = 0.0
+    tokens: float = 0.0
+    means: dict[str, list[float]] = field(default_factory=dict)  # name: [sum, count]
+    extremes: dict[str, tuple[bool, float | None]] = field(default_factory=dict)  # name: (largest, value)
 
-def _extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> float:
-    if not bool(mask.any()):
-        return 0.0
-    chosen = values[mask]
-    return float(chosen.max() if largest else chosen.min())
+    def mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        self.means[name] = [float(values[mask].sum()), float(mask.sum())]
+
+    def extreme(self, name: str, values: torch.Tensor, mask: torch.Tensor, largest: bool) -> None:
+        chosen = values[mask]
+        found = None if not chosen.numel() else float(chosen.max() if largest else chosen.min())
+        self.extremes[name] = (largest, found)
+
+    def add(self, other: LossSums) -> None:
+        self.numerator += other.numerator
+        self.count += other.count
+        self.tokens += other.tokens
+        for name, (total, count) in other.means.items():
+            mine = self.means.setdefault(name, [0.0, 0.0])
+            mine[0] += total
+            mine[1] += count
+        for name, (largest, found) in other.extremes.items():
+            mine_found = self.extremes.get(name, (largest, None))[1]
+            if mine_found is not None and found is not None:
+                found = max(mine_found, found) if largest else min(mine_found, found)
+            self.extremes[name] = (largest, found if found is not None else mine_found)
+
+    def loss(self, config: AlgorithmConfig) -> float:
+        return self.numerator / divisor(config.agg, self.count, config.agg_norm)
+
+    def metrics(self, config: AlgorithmConfig) -> dict[str, float]:
+        """Means over their counts (0 where none), extremes (0 where no token), the
+        trained tokens and the loss."""
+        out = {name: total / count if count else 0.0 for name, (total, count) in self.means.items()}
+        out.update({name: 0.0 if found is None else found for name, (_, found) in self.extremes.items()})
+        out["tokens"] = self.tokens
+        out["loss"] = self.loss(config)
+        return dict(sorted(out.items()))
 
 
 def policy_loss(
@@ -281,6 +356,31 @@ def policy_loss(
     ``is_dropped_sequence_fraction`` (masked_is) or ``is_dropped_token_fraction``
     (behav_imp_weight_cap).
     """
+    cfg = config if config is not None else AlgorithmConfig()
+    numerator, sums = policy_loss_part(
+        logprobs, old_logprobs, advantages, loss_mask, cfg, proximal_logprobs=proximal_logprobs,
+        seq_index=seq_index,
+    )  # fmt: skip
+    return numerator / divisor(cfg.agg, sums.count, cfg.agg_norm), sums.metrics(cfg)
+
+
+def policy_loss_part(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: AlgorithmConfig | None = None,
+    *,
+    proximal_logprobs: torch.Tensor | None = None,
+    seq_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossSums]:
+    """``policy_loss`` of one micro-batch of a batch split by sequence, as parts: the
+    aggregation's numerator (with gradient) and the ``LossSums`` that add up to the whole
+    batch's. Every term but the aggregation's divisor is a sequence's own (masked IS's
+    ratio included), so backpropagating each micro-batch's numerator and dividing the
+    summed gradient by the whole batch's divisor gives the whole batch's gradient: the
+    divisor is only known once every micro-batch has run (masked IS drops sequences out
+    of it). Arguments as ``policy_loss``'s."""
     import torch
 
     cfg = config if config is not None else AlgorithmConfig()
@@ -314,7 +414,7 @@ def policy_loss(
         proximal = torch.where(mask, proximal_logprobs.detach().to(logprobs.dtype), zeros)
     current = torch.where(mask, logprobs.detach(), zeros)
     ref = proximal if proximal is not None else current  # where the behaviour correction leads
-    metrics: dict[str, float] = {}
+    sums = LossSums(tokens=float(mask.sum()))
 
     weight = torch.ones_like(logprobs)
     trained = mask
@@ -322,7 +422,7 @@ def policy_loss(
         assert behaviour is not None
         raw = _exp_ratio(ref - behaviour)
         weight = raw.clamp(max=cfg.tis_cap)
-        metrics["is_truncated_fraction"] = _mean((raw > cfg.tis_cap).float(), mask)
+        sums.mean("is_truncated_fraction", (raw > cfg.tis_cap).float(), mask)
     elif cfg.importance == "masked_is":
         assert behaviour is not None
         seq_weight, kept = masked_is_weights(
@@ -335,14 +435,14 @@ def policy_loss(
         index, count = _sequences(mask, seq_index)
         present = _segment_sum(mask.float(), index, count) > 0
         dropped = _segment_sum((mask & ~kept).float(), index, count) > 0
-        metrics["is_dropped_sequence_fraction"] = float(dropped.sum()) / max(int(present.sum()), 1)
+        sums.means["is_dropped_sequence_fraction"] = [float(dropped.sum()), float(present.sum())]
     elif proximal is not None:  # decoupled PPO's own behaviour weight π_prox / μ
         assert behaviour is not None
         weight = _exp_ratio(proximal - behaviour)
         if cfg.behav_imp_weight_cap is not None:
             over = weight > cfg.behav_imp_weight_cap
             weight = torch.where(over, zeros, weight)
-            metrics["is_dropped_token_fraction"] = _mean(over.float(), mask)
+            sums.mean("is_dropped_token_fraction", over.float(), mask)
 
     anchor = proximal if proximal is not None else behaviour
     if cfg.loss == "pg":
@@ -355,16 +455,14 @@ def policy_loss(
             logprobs, anchor, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c
         )
     per_token = per_token * weight.detach()
-    loss = aggregate(per_token, trained, cfg.agg, seq_index=seq_index, norm=cfg.agg_norm)
-
-    metrics["loss"] = float(loss.detach())
-    metrics["tokens"] = float(mask.sum())
+    numerator, sums.count = aggregate_terms(per_token, trained, cfg.agg, seq_index=seq_index)
+    sums.numerator = float(numerator.detach())
     if ratio is not None:  # over the tokens trained (masked IS's dropped sequences left out)
-        metrics["ratio_mean"] = _mean(ratio, trained)
-        metrics["ratio_min"] = _extreme(ratio, trained, largest=False)
-        metrics["ratio_max"] = _extreme(ratio, trained, largest=True)
-        metrics["approx_kl"] = _mean(ratio - 1 - ratio.log(), trained)
-    metrics["clip_fraction"] = _mean(took_over.float(), trained)
-    metrics["is_weight_mean"] = _mean(weight, trained)
-    metrics["is_weight_max"] = _extreme(weight, trained, largest=True)
-    return loss, dict(sorted(metrics.items()))
+        sums.mean("ratio_mean", ratio, trained)
+        sums.extreme("ratio_min", ratio, trained, largest=False)
+        sums.extreme("ratio_max", ratio, trained, largest=True)
+        sums.mean("approx_kl", ratio - 1 - ratio.log(), trained)
+    sums.mean("clip_fraction", took_over.float(), trained)
+    sums.mean("is_weight_mean", weight, trained)
+    sums.extreme("is_weight_max", weight, trained, largest=True)
+    return numerator, sums

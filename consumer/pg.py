@@ -6,7 +6,9 @@ tensors with the behaviour logprobs the engines recorded (``consumer.tensors``),
 the policy loss: plain policy gradient by default, PPO-clip against the behaviour
 logprobs, or AReaL's decoupled PPO (the proximal logprobs recomputed with the weights
 of just before the update), with an optional truncated or masked importance
-correction for stale samples. After the step the weights go to a safetensors
+correction for stale samples. ``algorithm.micro_batch_size`` runs the batch through the
+model that many samples at a time (gradient accumulation, the same update), which bounds
+a real model's step in memory. After the step the weights go to a safetensors
 directory that the hf engines load when the trainer publishes the new model step with
 its path.
 """
@@ -23,8 +25,14 @@ import numpy as np
 from rollstream.consumer.advantages import batch_advantages
 from rollstream.consumer.batches import TrainBatch
 from rollstream.consumer.lora import adapter_tensors, apply_lora
-from rollstream.consumer.losses import AlgorithmConfig, policy_loss
-from rollstream.consumer.tensors import TokenBatch, to_padded, token_logprobs
+from rollstream.consumer.losses import (
+    AlgorithmConfig,
+    LossSums,
+    aggregation_count,
+    divisor,
+    policy_loss_part,
+)
+from rollstream.consumer.tensors import TokenBatch, padded_chunks, token_logprobs
 from rollstream.shared import models
 from rollstream.shared.records import Group
 from rollstream.shared.transports import Sender, TransportSettings, sender_for, unique_tensors
@@ -59,8 +67,8 @@ class PolicyGradient:
         # whether the model's forward can leave the prompt's logits out (logprobs)
         base = model.get_base_model() if self.lora else model
         self._keeps_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=lr)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr)
         self.out_dir = Path(out_dir)
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
@@ -73,8 +81,17 @@ class PolicyGradient:
 
     def __call__(self, batch: TrainBatch) -> float:
         """One optimizer step on the batch; returns the loss (0.0, and no step, when no
-        group carries a signal: every advantage zero)."""
-        torch = self.torch
+        group carries a signal: every advantage zero).
+
+        The batch goes through the model ``algorithm.micro_batch_size`` samples at a time
+        (0: all at once), each micro-batch padded to its own longest sequence and its
+        activations freed by its own backward pass: a step holds one micro-batch's. The
+        update is still the whole batch's: each micro-batch backpropagates its share of
+        the loss, its numerator over the whole batch's divisor
+        (``consumer.losses.policy_loss_part``), and the metrics are the whole batch's too.
+        No optimizer step comes between the micro-batches, so each one's forward pass runs
+        with the weights of just before the update: decoupled PPO's proximal policy for
+        all of them, no second pass needed."""
         cfg = self.algorithm
         groups = batch.groups
         advantages = batch_advantages(groups, cfg.advantage, eps=cfg.adv_eps, std=cfg.adv_std)
@@ -83,25 +100,51 @@ class PolicyGradient:
             return 0.0
         if cfg.needs_behaviour_logprobs:
             _require_logprobs(groups, cfg)
-        tokens = to_padded(groups, advantages, pad_id=self.pad_id, device=self.device)
-        logprobs = self.logprobs(tokens)
-        # decoupled PPO's proximal policy is the one of just before the update: with one
-        # update per batch, the weights this forward pass ran with (no second pass needed)
-        proximal = logprobs.detach() if cfg.needs_proximal_logprobs else None
-        loss, metrics = policy_loss(
-            logprobs,
-            tokens.old_logprobs,  # NaN where an engine recorded none: refused where needed
-            tokens.advantages,
-            tokens.loss_mask,
-            cfg,
-            proximal_logprobs=proximal,
-        )
+        size = cfg.micro_batch_size
+        chunks = padded_chunks(groups, advantages, size, pad_id=self.pad_id, device=self.device)
         self.optimizer.zero_grad()
-        torch.autograd.backward(loss)
+        total = self._accumulate(chunks)
         self.optimizer.step()
-        self.metrics = metrics
-        log.debug("train step %d: %s", batch.train_step, metrics)
-        return float(loss.detach())
+        self.metrics = total.metrics(cfg)
+        log.debug("train step %d: %s", batch.train_step, self.metrics)
+        return self.metrics["loss"]
+
+    def _accumulate(self, chunks: list[TokenBatch]) -> LossSums:
+        """The whole batch's gradient from its micro-batches, and its loss's sums.
+
+        Each micro-batch's numerator is divided by the divisor the loss masks give, known
+        before any forward pass, and the gradient is rescaled afterwards where the true
+        one differed: masked IS drops sequences out of it by the ratios the passes
+        compute. With one micro-batch its own count is the true one, so the whole batch
+        in one pass computes exactly what ``policy_loss`` would."""
+        torch = self.torch
+        cfg = self.algorithm
+        # where a sample has none, pg without a correction trains without the behaviour
+        # logprobs and reports no ratio: for the whole batch, as one pass over it would
+        recorded = cfg.needs_behaviour_logprobs or all(
+            bool(t.logprobs_known[t.loss_mask].all()) for t in chunks
+        )
+        count = sum(aggregation_count(t.loss_mask, cfg.agg) for t in chunks)
+        total = LossSums()
+        for tokens in chunks:
+            logprobs = self.logprobs(tokens)
+            numerator, sums = policy_loss_part(
+                logprobs,
+                tokens.old_logprobs if recorded else None,  # NaN where none: refused where needed
+                tokens.advantages,
+                tokens.loss_mask,
+                cfg,
+                proximal_logprobs=logprobs.detach() if cfg.needs_proximal_logprobs else None,
+            )
+            count = sums.count if len(chunks) == 1 else count
+            torch.autograd.backward(numerator / divisor(cfg.agg, count, cfg.agg_norm))
+            total.add(sums)
+        if total.count != count:
+            scale = divisor(cfg.agg, count, cfg.agg_norm) / divisor(cfg.agg, total.count, cfg.agg_norm)
+            for parameter in self.trainable:
+                if parameter.grad is not None:
+                    parameter.grad.mul_(scale)
+        return total
 
     def logprobs(self, tokens: TokenBatch) -> Any:
         """The model's logprob of each position's target token, aligned with

@@ -30,7 +30,8 @@ its tokens and NaN in ``old_logprobs`` there, so that no loss can take it for a 
 value: ``losses.policy_loss`` refuses it where the loss needs the behaviour policy.
 
 Padded (``to_padded``): one row per sample, right padding with ``pad_id``,
-``attention_mask`` 0 on padding. Packed (``to_packed``): all samples in one row
+``attention_mask`` 0 on padding; ``padded_chunks`` pads a trainer's micro-batches each to
+its own longest sequence. Packed (``to_packed``): all samples in one row
 ``[1, N]`` with no padding; ``position_ids`` restart at 0 at each sequence and
 ``cu_seqlens`` ([S + 1], int32) holds the boundaries, as varlen attention kernels take
 them (transformers' flash_attention_2 finds them from ``position_ids``). A packed row
@@ -61,7 +62,7 @@ from rollstream.shared.records import Group, Sample
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TokenBatch", "samples_of", "to_packed", "to_padded", "token_logprobs"]
+__all__ = ["TokenBatch", "padded_chunks", "samples_of", "to_packed", "to_padded", "token_logprobs"]
 
 
 @dataclass(slots=True)
@@ -176,9 +177,33 @@ def to_padded(
     ``loss_masks``: one per sample, None or 0/1 per response token, narrows that further
     (a token trains where both say 1).
     """
+    return _padded(_rows(batch, advantages, loss_masks, pad_id), pad_id, device)
+
+
+def padded_chunks(
+    batch: TrainBatch | Iterable[Group],
+    advantages: npt.ArrayLike | None = None,
+    size: int = 0,
+    *,
+    pad_id: int = 0,
+    loss_masks: Sequence[npt.ArrayLike | None] | None = None,
+    device: str | torch.device | None = None,
+) -> list[TokenBatch]:
+    """``to_padded`` of the batch's samples ``size`` at a time, in batch order (0: all in
+    one), each chunk padded to its own longest sequence: a trainer's micro-batches, whose
+    activations are what a step's memory goes to, so a chunk of short samples is not
+    padded to the batch's longest. Arguments as ``to_padded``'s (sample indexes in its
+    errors are the batch's); ``seq_index`` counts from 0 in each chunk."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"size is {size!r}: samples per chunk, a whole number >= 0 (0: the whole batch)")
+    rows = _rows(batch, advantages, loss_masks, pad_id)
+    step = size or max(len(rows), 1)
+    return [_padded(rows[start : start + step], pad_id, device) for start in range(0, len(rows), step)]
+
+
+def _padded(rows: list[_Row], pad_id: int, device: str | torch.device | None) -> TokenBatch:
     import torch
 
-    rows = _rows(batch, advantages, loss_masks, pad_id)
     b, t = len(rows), max((len(r.ids) for r in rows), default=0)
 
     def stack(field: str, fill: Any, dtype: Any) -> torch.Tensor:
@@ -251,10 +276,11 @@ def to_packed(
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)`` at each position's target token ([..., T, V] and [..., T]
-    → [..., T]), in float32: the current policy's logprobs, aligned with
+    → [..., T]), in float32 at least: the current policy's logprobs, aligned with
     ``TokenBatch.old_logprobs``. The engines record logprobs of the untempered
-    distribution (temperature 1), and so does this."""
+    distribution (temperature 1), and so does this. Float64 logits stay float64 (a test
+    that compares two ways of computing one update needs its precision)."""
     import torch
 
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

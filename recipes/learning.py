@@ -167,7 +167,7 @@ def learning_settings(
     task: LearningTask = REVERSE,
 ) -> Settings:
     """The run's settings: ``task`` (the reverse task unless named) on hf engines, the
-    recipe's rollout and algorithm."""
+    recipe's rollout and algorithm (the task's micro-batch size with it)."""
     return load_settings(
         run=run,
         redis={"url": redis_url},
@@ -197,7 +197,7 @@ def learning_settings(
             # an eval batch, queued behind the others on the engines, for stragglers to retry
             "group_timeout_s": task.group_timeout_s,
         },
-        algorithm=recipe.algorithm.model_dump(),
+        algorithm=task.algorithm(recipe.algorithm).model_dump(),
     )
 
 
@@ -275,7 +275,7 @@ def run_learning(
     fed = open_buffer(client, settings, f"{run}-feeder").feed(feed).added
     torch.manual_seed(seed)
     lr = task.lr if lr is None else lr
-    policy = PolicyGradient(model_dir, str(work / run / "weights"), lr=lr, algorithm=recipe.algorithm)
+    policy = PolicyGradient(model_dir, str(work / run / "weights"), lr=lr, algorithm=settings.algorithm)
     evaluator = None
     if eval_every > 0:
         coordinator = create_coordinator(settings, client=client, consumer=f"{run}-eval")

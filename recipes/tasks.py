@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollstream.consumer.losses import AlgorithmConfig
 from rollstream.recipes import arithmetic, reverse
 from rollstream.shared.records import Prompt
 
@@ -36,6 +37,16 @@ class LearningTask:
     # real model's group of 8 takes far longer than the reverse task's 14k-parameter one)
     max_inflight: int = 32
     group_timeout_s: float = 60.0
+    # samples per forward and backward pass of the trainer's step (algorithm.micro_batch_size;
+    # 0: the whole batch): what bounds a real model's step in memory, for the same update
+    micro_batch_size: int = 0
+
+    def algorithm(self, algorithm: AlgorithmConfig) -> AlgorithmConfig:
+        """A recipe's algorithm for this task: with the task's micro-batch size unless the
+        recipe sets one."""
+        if algorithm.micro_batch_size or not self.micro_batch_size:
+            return algorithm
+        return algorithm.model_copy(update={"micro_batch_size": self.micro_batch_size})
 
 
 def _reverse_model(directory: Path, seed: int) -> str:
@@ -61,5 +72,8 @@ ARITHMETIC = LearningTask(
     eval_timeout_s=1800.0,  # 205 greedy answers took over 300 s on a loaded 2-core machine
     max_inflight=16,  # two steps' groups: more only queue on the engines, past their timeout
     group_timeout_s=900.0,
+    # a step of 64 samples peaked at 9.5 GB in one pass, 4.2 GB in micro-batches of 16, in
+    # the same time (bench/micro_batch.py)
+    micro_batch_size=16,
 )
 TASKS = {t.name: t for t in (REVERSE, ARITHMETIC)}

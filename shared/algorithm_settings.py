@@ -31,8 +31,9 @@ Aggregation: TypeAlias = Literal["token_mean", "seq_mean_token_mean", "seq_mean_
 
 class AlgorithmSettings(BaseModel):
     """The trainer-side algorithm of a run (``consumer.losses.AlgorithmConfig``): advantage
-    estimator, policy loss, behaviour correction, aggregation and their knobs. The
-    defaults are GRPO advantages with a token-mean policy gradient."""
+    estimator, policy loss, behaviour correction, aggregation and their knobs, and how the
+    reference trainer runs a step (micro-batches, LoRA). The defaults are GRPO advantages
+    with a token-mean policy gradient, the whole batch in one pass."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -55,6 +56,13 @@ class AlgorithmSettings(BaseModel):
     mis_level: Literal["sequence", "geometric"] = "sequence"
     agg: Aggregation = "token_mean"
     agg_norm: float = Field(default=1.0, gt=0, description="seq_mean_token_sum's constant divisor")
+    micro_batch_size: int = Field(
+        default=0,
+        ge=0,
+        description="samples per forward and backward pass of the reference trainer's step (gradient "
+        "accumulation: the same update as the whole batch's, with one micro-batch's activations in memory); "
+        "0: the whole batch in one pass",
+    )
     lora_rank: int = Field(
         default=0,
         ge=0,

@@ -69,3 +69,14 @@ def test_the_real_model_task_runs_through_the_same_recipes() -> None:
     train, held_out = ARITHMETIC.prompts(0)
     assert len(held_out) == ARITHMETIC.eval_prompts >= 200 and not ARITHMETIC.sampled_eval
     assert not {p.uid for p in train} & {p.uid for p in held_out}
+    # its step in micro-batches (bounded memory, the same update); a recipe's own size stays
+    assert settings.algorithm.micro_batch_size == ARITHMETIC.micro_batch_size == 16
+    recipe = learning.RECIPES["async"].algorithm
+    assert settings.algorithm.model_copy(update={"micro_batch_size": 0}) == recipe
+    own = recipe.model_copy(update={"micro_batch_size": 4})
+    assert ARITHMETIC.algorithm(own).micro_batch_size == 4
+
+
+def test_the_reverse_task_trains_the_whole_batch_in_one_pass(tmp_path: Path) -> None:
+    sync = learning.learning_settings(learning.RECIPES["sync"], "redis://h:1/0", "r", tmp_path)
+    assert sync.algorithm.micro_batch_size == 0
