@@ -61,6 +61,7 @@ from rollstream.shared.streams import text
 FULL = 0.75  # producers holding this share of their bound are busy: one more may help
 MAX_PRODUCERS = 1024  # the highest figure served without an explicit bound
 PRODUCERS_WANTED = "rollstream_producers_wanted"
+KEDA_VALUE = "producers_wanted"  # the answer's field that KEDA reads (its valueLocation)
 BUSY_MAX_AGE_S = 3 * AUTOSCALE_S  # an engines' busy figure older than this is not used
 
 
@@ -224,7 +225,7 @@ class DemandReader:
         (``producers_wanted``), why, and what it weighed."""
         demand = self.read()
         wanted, why = producers_wanted(demand, low, high)
-        return {"producers_wanted": wanted, "reason": why, "min": low, "max": high, **asdict(demand)}
+        return {KEDA_VALUE: wanted, "reason": why, "min": low, "max": high, **asdict(demand)}
 
 
 def _int(raw: Any) -> int:
