@@ -28,7 +28,11 @@ def route(path: str, answer: Answer) -> Callable[[], None]:
     """Serve ``answer`` at ``path`` on this process's metrics server; returns what
     removes it."""
     _routes[path] = answer
-    return lambda: _routes.pop(path, None)  # type: ignore[func-returns-value]
+
+    def remove() -> None:
+        _routes.pop(path, None)
+
+    return remove
 
 
 def routed(metrics_app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:

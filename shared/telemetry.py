@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -255,7 +255,7 @@ def serving(
         log.error("%s; going on without them", message)
         yield None
         return
-    server.set_app(routed(server.get_app()))  # the JSON routes beside /metrics (json_routes.py)
+    server.set_app(routed(make_wsgi_app(REGISTRY)))  # the JSON routes beside /metrics (json_routes.py)
     log.info("%s: metrics at http://%s:%d/metrics", role, host, port)
     _served.append(port)
     try:

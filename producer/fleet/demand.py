@@ -56,6 +56,8 @@ from rollstream.shared.keys import (
     Keys,
     progress_field,
 )
+from rollstream.shared.runconfig import task_quota
+from rollstream.shared.settings import Settings
 from rollstream.shared.streams import text
 
 FULL = 0.75  # producers holding this share of their bound are busy: one more may help
@@ -117,7 +119,6 @@ class DemandPlan:
     """The settings the reading needs, out of the settings tree (``demand_plan``)."""
 
     quota: Mapping[str, int]  # each task's groups in one train step
-    mode: str  # rollout.mode
     ahead: int  # steps the admission bound runs ahead: stale_threshold, or the sync interval
     over_sample_threshold: float
     expired_claimed: bool  # whether producers claim the expired pool (tail_batch_trigger_size >= 0)
@@ -126,13 +127,11 @@ class DemandPlan:
     producer_max_age_s: float  # a heartbeat older than this is a gone producer's
 
 
-def demand_plan(settings: Any, producer_max_age_s: float) -> DemandPlan:
-    from rollstream.shared.runconfig import task_quota
-
+def demand_plan(settings: Settings, producer_max_age_s: float) -> DemandPlan:
     rollout = settings.rollout
     ahead = rollout.stale_threshold if rollout.mode == "async" else rollout.sync_weights_interval
     return DemandPlan(
-        quota=task_quota(settings), mode=rollout.mode, ahead=ahead,
+        quota=task_quota(settings), ahead=ahead,
         over_sample_threshold=rollout.over_sample_threshold,
         expired_claimed=rollout.tail_batch_trigger_size >= 0, max_inflight=settings.producer.max_inflight,
         batch=rollout.batch_size, producer_max_age_s=producer_max_age_s,
