@@ -10,14 +10,15 @@ only so much work per model step; the engines have a capacity; and the trainer t
 ``rollout.batch_size`` groups a step. One producer more helps only while the trainer
 waits for groups, every producer is busy to its bound, the engines have room and the
 admission bound lets in more than the producers hold. So the rule
-(:func:`producers_wanted`), one step a look, as the engines' autoscale rule:
+(:func:`producers_wanted`), one step a look (one producer, or an eighth of those alive:
+STEP_SHARE) towards what the run needs, as the engines' autoscale rule steps:
 
 - need = ceil((groups the producers hold + work the bound admits now) / max_inflight):
   the producers that can hold all the work that may be in flight now;
-- need above the producers alive: one more, only while the trainer has less than a batch
+- need above the producers alive: a step up, only while the trainer has less than a batch
   ready, the producers hold at least FULL of their bound, and the engines' busy fraction
   (when the engines process publishes one) is under BUSY_HIGH; else hold;
-- need below: one fewer (the admission bound holds the work back, or none waits);
+- need below: a step down (the admission bound holds the work back, or none waits);
 - paused: hold; always within the caller's bounds.
 
 Everything comes from Redis in one pipelined round trip (:class:`DemandReader`):
@@ -61,6 +62,10 @@ from rollstream.shared.settings import Settings
 from rollstream.shared.streams import text
 
 FULL = 0.75  # producers holding this share of their bound are busy: one more may help
+# A step is one producer, or an eighth of those alive: the HPA under KEDA leaves the
+# replicas alone while the figure is within 10% of them (its tolerance), so a step of
+# one from 11 producers up would never be taken
+STEP_SHARE = 1 / 8
 MAX_PRODUCERS = 1024  # the highest figure served without an explicit bound
 PRODUCERS_WANTED = "rollstream_producers_wanted"
 KEDA_VALUE = "producers_wanted"  # the answer's field that KEDA reads (its valueLocation)
@@ -83,12 +88,13 @@ class Demand:
 
 
 def producers_wanted(demand: Demand, low: int = 1, high: int = MAX_PRODUCERS) -> tuple[int, str]:
-    """The producer count the rule wants (one step from ``demand.producers``, within
-    ``low`` .. ``high``), and why in words."""
+    """The producer count the rule wants (one step from ``demand.producers`` towards
+    what the run needs, within ``low`` .. ``high``), and why in words."""
     if not 0 <= low <= high:
         raise ValueError(f"producer bounds need 0 <= min <= max, not min {low}, max {high}")
     d, current = demand, demand.producers
     need = math.ceil((d.inflight + d.claimable) / max(1, d.max_inflight))
+    step = max(1, math.ceil(current * STEP_SHARE))
     if d.paused:
         target, why = current, "the run is paused"
     elif need > current:
@@ -99,13 +105,16 @@ def producers_wanted(demand: Demand, low: int = 1, high: int = MAX_PRODUCERS) ->
         elif d.inflight < FULL * current * d.max_inflight:
             target, why = current, "the producers have free slots"
         else:
-            target, why = current + 1, "the trainer waits, the producers are full, work is claimable"
+            target, why = (
+                min(need, current + step),
+                "the trainer waits, the producers are full, work is claimable",
+            )
     elif need < current:
         if d.waiting > d.claimable:
             why = "the staleness bound holds the work back"
         else:
             why = "too little work waits for the producers"
-        target = current - 1
+        target = max(need, current - step)
     else:
         target, why = current, "the producers hold what may be in flight"
     bounded = max(low, min(high, target))

@@ -65,6 +65,16 @@ def test_no_producers_yet_asks_for_one_when_work_is_claimable() -> None:
     assert producers_wanted(idle)[0] == 1  # the default bound keeps one
 
 
+def test_a_step_is_an_eighth_of_the_producers_alive_so_that_the_hpa_takes_it() -> None:
+    # the HPA ignores a figure within 10% of the replicas: from 20, 21 would never be taken
+    many = replace(STARVED, producers=20, inflight=160, claimable=400)
+    assert producers_wanted(many)[0] == 23
+    assert producers_wanted(replace(many, claimable=8))[0] == 21  # never past what the run needs
+    held = replace(many, inflight=40, claimable=0)  # 40 groups fill 5 producers
+    assert producers_wanted(held) == (17, "the staleness bound holds the work back")
+    assert producers_wanted(replace(held, producers=6))[0] == 5
+
+
 def test_the_figure_stays_within_the_bounds() -> None:
     assert producers_wanted(STARVED, 1, 4) == (4, "the trainer waits, the producers are full, work is "
                                                    "claimable; bounded to 1 .. 4")  # fmt: skip
