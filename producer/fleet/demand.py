@@ -237,8 +237,10 @@ class DemandReader:
 
 
 def _int(raw: Any) -> int:
-    """A count as Redis answers it; 0 for none, an error or a corrupt value (the processes
-    that write it name the key)."""
+    """A count as Redis answers it; 0 for none or a corrupt value (the processes that write
+    it name the key). A refused command (NOPERM) is raised, not read as 0."""
+    if isinstance(raw, Exception):
+        raise raw
     if isinstance(raw, int):
         return raw
     try:
@@ -248,8 +250,12 @@ def _int(raw: Any) -> int:
 
 
 def _pending(groups: Any, name: str) -> int:
-    if not isinstance(groups, list):
+    if isinstance(groups, redis.ResponseError) and "no such key" in str(groups).lower():
         return 0  # no such stream yet
+    if isinstance(groups, Exception):
+        raise groups  # refused (NOPERM), or the connection lost mid-pipeline
+    if not isinstance(groups, list):
+        return 0
     info = next((g for g in groups if text(g["name"]) == name), None)
     return int(info["pending"]) if info else 0
 

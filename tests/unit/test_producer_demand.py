@@ -167,3 +167,27 @@ def test_the_metrics_server_answers_a_route_as_json_and_the_rest_as_before() -> 
         remove()
         route("/failing", lambda query: (200, {}))()
     assert app({"PATH_INFO": "/test-route"}, start_response) == [b"metrics"]
+
+
+def test_a_refused_read_is_an_error_not_a_zero(
+    fake_client: redis.Redis, make_settings: SettingsFactory
+) -> None:
+    """A user that may not read a stream (NOPERM) must not read as an idle run: /keda
+    answers 503 naming it, and KEDA keeps the replicas it has."""
+    reader = _reader(fake_client, make_settings)
+    real = fake_client.pipeline
+
+    def refusing(**kwargs: Any) -> Any:
+        pipe = real(**kwargs)
+        execute = pipe.execute
+
+        def refused(raise_on_error: bool = True) -> list[Any]:
+            replies = execute(raise_on_error=raise_on_error)
+            return [*replies[:3], redis.exceptions.NoPermissionError("NOPERM no XLEN for you"), *replies[4:]]
+
+        pipe.execute = refused  # type: ignore[method-assign]
+        return pipe
+
+    fake_client.pipeline = refusing  # type: ignore[method-assign]
+    status, body = keda_answer(reader, {})
+    assert status == 503 and "NOPERM" in body["error"], body
