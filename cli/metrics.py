@@ -14,7 +14,8 @@ import logging
 import threading
 
 from rollstream.cli.process import running
-from rollstream.shared import telemetry
+from rollstream.producer.fleet.demand import DemandCollector, DemandReader, demand_plan, keda_answer
+from rollstream.shared import json_routes, telemetry
 from rollstream.shared.connection import connect
 from rollstream.shared.keys import Role
 from rollstream.shared.runmetrics import RunCollector
@@ -23,6 +24,7 @@ from rollstream.shared.settings import Settings
 log = logging.getLogger("rollstream")
 # a producer whose heartbeat is older than this many of its periods counts as gone
 PRODUCER_BEATS_MISSED = 3
+KEDA_PATH = "/keda"  # KEDA's metrics-api scaler reads producers_wanted here
 
 
 def serve_run_metrics(settings: Settings, stop: threading.Event) -> int:
@@ -43,10 +45,17 @@ def serve_run_metrics(settings: Settings, stop: threading.Event) -> int:
         client = connect(settings.redis, check=False, ride_out=False)
         max_age_s = PRODUCER_BEATS_MISSED * settings.producer.heartbeat_s
         unregister = telemetry.register(RunCollector(client, process.keys, tasks, max_age_s))
+        # the producers the run wants (producer/fleet/demand.py): a gauge, and JSON for KEDA
+        demand = DemandReader(client, process.keys, demand_plan(settings, max_age_s))
+        unregister_demand = telemetry.register(DemandCollector(demand))
+        unroute = json_routes.route(KEDA_PATH, lambda query: keda_answer(demand, query))
         try:
-            log.info("metrics: run %r's figures at :%s/metrics", settings.run, port)
+            log.info("metrics: run %r's figures at :%s/metrics, the producers it wants at :%s%s",
+                     settings.run, port, port, KEDA_PATH)  # fmt: skip
             stop.wait()
         finally:
+            unroute()
+            unregister_demand()
             unregister()
             client.close()
     return 0

@@ -27,12 +27,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from rollstream.shared.errors import SettingsError
+from rollstream.shared.json_routes import routed
 from rollstream.shared.settings import MetricsSettings
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,7 @@ def serving(
         log.error("%s; going on without them", message)
         yield None
         return
+    server.set_app(routed(make_wsgi_app(REGISTRY)))  # the JSON routes beside /metrics (json_routes.py)
     log.info("%s: metrics at http://%s:%d/metrics", role, host, port)
     _served.append(port)
     try:

@@ -135,14 +135,17 @@ def autoscale_step(pool: Any, count: EngineCount, waiting: Callable[[], int]) ->
     one engine more while the engines are busy and work waits for producers (``waiting``:
     the entries in the run's pools not yet delivered), one fewer while they idle
     (``autoscale_target``); asks for it as `engines scale` does. Returns the count it
-    wants, None without a rule."""
+    wants, None without a rule. With or without one it publishes the engines' busy
+    fraction (scaling.py ``engines_busy``): the producers' scaling figure reads it."""
     import statistics
 
+    healths = [h for h in pool.probe(timeout_s=2.0) if h is not None]
+    busy = statistics.fmean(h.busy_fraction for h in healths) if healths else None
+    if busy is not None:
+        count.publish_busy(busy)
     rule = count.autoscale()
     if rule is None:
         return None
-    healths = [h for h in pool.probe(timeout_s=2.0) if h is not None]
-    busy = statistics.fmean(h.busy_fraction for h in healths) if healths else None
     lag = waiting()
     current = len(pool.handles)
     target = autoscale_target(current, rule[0], rule[1], busy, lag)

@@ -8,6 +8,10 @@
     engines_autoscale  JSON {"min": A, "max": B}: `rollstream engines scale --min A --max B`;
                      the engines process then sets engines_wanted itself (autoscale.py's
                      autoscale_target)
+    engines_busy     JSON {"busy": B, "ts": T}: the engines' mean busy fraction at the
+                     engines process's last autoscale look (every AUTOSCALE_S), T on
+                     the Redis server's clock; what the producers' scaling figure
+                     (producer/fleet/demand.py) reads to tell saturated engines
 
 Producers send work only to engines below ``engines``: one above it is being drained
 and removed, or not up yet.
@@ -25,6 +29,7 @@ from rollstream.shared.streams import text
 ENGINES_WANTED = "engines_wanted"
 ENGINES_SERVING = "engines"
 ENGINES_AUTOSCALE = "engines_autoscale"
+ENGINES_BUSY = "engines_busy"
 MAX_ENGINES = 4096  # as engines.count
 
 
@@ -68,6 +73,12 @@ class EngineCount:
 
     def clear_autoscale(self) -> None:
         self.client.hdel(self.keys.state, ENGINES_AUTOSCALE)
+
+    def publish_busy(self, busy: float) -> None:
+        """The engines' mean busy fraction now, stamped with the Redis server's clock."""
+        seconds, micros = self.client.time()
+        body = {"busy": round(busy, 4), "ts": seconds + micros / 1e6}
+        self.client.hset(self.keys.state, ENGINES_BUSY, orjson.dumps(body))
 
     def set_serving(self, count: int) -> None:
         self.client.hset(self.keys.state, ENGINES_SERVING, count)

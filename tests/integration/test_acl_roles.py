@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,17 @@ def _start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+def _keda(port: int) -> tuple[int, dict[str, object]] | None:
+    """(status, body) of the metrics process's /keda, None while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/keda", timeout=10) as reply:
+            return reply.status, orjson.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, orjson.loads(exc.read())
+    except OSError:
+        return None
+
+
 def test_every_role_runs_under_its_own_user_and_a_run_finishes(acl_redis: AclRedis, tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
@@ -140,6 +153,9 @@ def test_every_role_runs_under_its_own_user_and_a_run_finishes(acl_redis: AclRed
         ):
             done = _cli(env[role], *args)
             assert done.returncode == 0, f"{role} {args}: {done.stderr[-3000:]} {_refused(acl_redis)}"
+            if role == "feeder":  # the figure KEDA reads, read whole under the read-only metrics user
+                keda = wait_for(lambda: _keda(metrics_port), timeout=60)
+                assert keda[0] == 200 and keda[1]["waiting"] == 8, keda
         for role in ("judge", "archive"):  # both end with the run
             _, err = background[role].communicate(timeout=180)
             assert background[role].returncode == 0, f"{role}: {err[-3000:]} {_refused(acl_redis)}"

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
 from rollstream.cli.engines import prompts_waiting
 from rollstream.producer.engines.base import EngineHealth
 from rollstream.producer.fleet.autoscale import autoscale_step, autoscale_target
-from rollstream.producer.fleet.scaling import ENGINES_AUTOSCALE, EngineCount
+from rollstream.producer.fleet.scaling import ENGINES_AUTOSCALE, ENGINES_BUSY, EngineCount
 from rollstream.shared.errors import CorruptValueError
 from rollstream.shared.keys import Keys
 from rollstream.shared.runconfig import open_buffer
@@ -76,6 +77,8 @@ def test_the_engines_process_asks_for_one_engine_more_while_busy_with_prompts_wa
 
     assert autoscale_step(Pool([0.9, 0.95]), count, waiting) is None  # no rule: nothing
     assert count.wanted() is None
+    # but the busy figure is published, rule or not: the producers' scaling figure reads it
+    assert orjson.loads(fake_client.hget(keys.state, ENGINES_BUSY))["busy"] == pytest.approx(0.925)
 
     count.set_autoscale(1, 3)
     # busy, but nothing waits for producers: no change

@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ from typing import Any
 import pytest
 import yaml
 
+from rollstream.cli.metrics import KEDA_PATH
 from rollstream.cli.parser import build_parser
-from rollstream.shared.keys import Keys
+from rollstream.producer.fleet.demand import KEDA_VALUE
 from rollstream.shared.settings import load_settings
 from tests.helpers import require
 
@@ -218,7 +220,7 @@ def test_the_kubernetes_objects_are_valid() -> None:
         assert obj["metadata"].get("namespace", "rollstream") == "rollstream", where
         if obj["kind"] not in custom:
             kubernetes_validate.validate(obj, "1.30", strict=True)
-    assert {"StatefulSet", "Secret", "Deployment", "Job", *custom} <= kinds
+    assert {"StatefulSet", "Secret", "Deployment", "Job", "RayCluster", "ScaledObject"} <= kinds
 
 
 # The custom objects' CRD schemas (openAPIV3Schema of the version used, descriptions
@@ -257,7 +259,8 @@ def crd_errors(obj: dict[str, Any]) -> list[str]:
 def test_the_custom_objects_are_valid_against_their_crd_schemas() -> None:
     require("jsonschema", "test", load=False)
     custom = [(where, o) for where, o in kubernetes_objects() if (o["apiVersion"], o["kind"]) in CRD_SCHEMAS]
-    assert {o["kind"] for _, o in custom} == {kind for _, kind in CRD_SCHEMAS}
+    # KEDA reads its figure over HTTP with no credentials: no TriggerAuthentication (yet)
+    assert {o["kind"] for _, o in custom} == {"RayCluster", "ScaledObject"}
     for where, obj in custom:
         errors = crd_errors(obj)
         assert not errors, f"{where}: {obj['kind']} {obj['metadata']['name']}:\n" + "\n".join(errors)
@@ -277,8 +280,9 @@ def test_the_crd_check_catches_a_misspelt_field_and_a_wrong_type() -> None:
     scaled["spec"]["maxReplicas"] = "ten"
     assert any("maxReplicas" in e for e in crd_errors(scaled))
     scaled = copy.deepcopy(objects["ScaledObject"])
-    scaled["spec"]["triggers"][0]["authRef"] = scaled["spec"]["triggers"][0].pop("authenticationRef")
-    assert crd_errors(scaled)
+    trigger = scaled["spec"]["triggers"][0]
+    trigger["valueLocation"] = trigger["metadata"].pop("valueLocation")  # a metadata field, not the trigger's
+    assert any("valueLocation" in e for e in crd_errors(scaled))
 
 
 def test_the_custom_objects_hold_together() -> None:
@@ -307,11 +311,30 @@ def test_the_custom_objects_hold_together() -> None:
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     assert ("Deployment", scaled["spec"]["scaleTargetRef"]["name"]) in objects
     (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "redis-streams"
-    tasks = yaml.safe_load(settings["ROLLSTREAM_TASKS"])
-    assert trigger["metadata"]["stream"] == Keys(settings["ROLLSTREAM_RUN"]).prompts(tasks[0]["name"])
-    assert trigger["metadata"]["consumerGroup"] == "producers"
-    assert ("TriggerAuthentication", trigger["authenticationRef"]["name"]) in objects
+    assert (trigger["type"], trigger["metricType"]) == ("metrics-api", "AverageValue")
+    # KEDA asks `rollstream metrics` for the producers wanted: its Service, port and path, the
+    # answer's field, one replica per producer wanted, bounded as KEDA bounds the replicas
+    meta = trigger["metadata"]
+    assert (meta["format"], meta["valueLocation"], meta["targetValue"]) == ("json", KEDA_VALUE, "1")
+    url = urllib.parse.urlsplit(meta["url"])
+    service, namespace = url.hostname.split(".")[:2]  # type: ignore[union-attr]
+    ports = {p["name"]: p["port"] for p in objects[("Service", service)]["spec"]["ports"]}
+    assert (namespace, url.port, url.path) == ("rollstream", ports["metrics"], KEDA_PATH)
+    assert str(url.port) == settings["ROLLSTREAM_METRICS__PORT"]
+    selector = objects[("Service", service)]["spec"]["selector"]
+    assert (
+        objects[("Deployment", service)]["spec"]["template"]["metadata"]["labels"].items() >= selector.items()
+    )
+    bounds = urllib.parse.parse_qs(url.query)
+    assert (int(bounds["min"][0]), int(bounds["max"][0])) == (
+        scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]
+    )  # fmt: skip
+    assert "authenticationRef" not in trigger
+    # KEDA (its own namespace) may reach the metrics port; it needs no Redis
+    ingress = objects[("NetworkPolicy", "rollstream-metrics")]["spec"]["ingress"]
+    assert any({"namespaceSelector": {}} in r["from"] and {"port": url.port} in r["ports"] for r in ingress)
+    redis_from = objects[("NetworkPolicy", "rollstream-redis")]["spec"]["ingress"][0]["from"]
+    assert not [f for f in redis_from if "keda" in str(f.get("namespaceSelector"))]
 
 
 def test_a_lost_run_is_never_restarted() -> None:

@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 
 from rollstream.shared import redisurl
-from rollstream.shared.keys import Keys
 from rollstream.shared.settings import load_settings
 from tests.helpers import require
 from tests.unit.test_deploy import DEPLOY, crd_errors, documents, expand
@@ -122,7 +121,7 @@ def test_the_kubernetes_set_is_valid() -> None:
     require("jsonschema", "test", load=False)
     objects = ha_objects()
     assert {kind for kind, _ in objects} >= {"StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget",
-                                             "ScaledObject", "TriggerAuthentication"}  # fmt: skip
+                                             "ScaledObject"}  # fmt: skip
     for (kind, name), obj in objects.items():
         assert obj["metadata"]["namespace"] == "rollstream", name
         if kind in ("ScaledObject", "TriggerAuthentication"):
@@ -162,19 +161,11 @@ def test_the_kubernetes_set_holds_together() -> None:
     target = redisurl.parse(expand(line.split("=", 1)[1].strip("'\"")))
     assert [f"{h}:{p}" for h, p in target.hosts] == [f"{p}:26379" for p in pods]
     assert target.service == service
-    # KEDA asks the same Sentinels (from its own namespace) for the same set, about the
-    # prompts stream of the run that config.yaml names
-    scaled = objects[("ScaledObject", "rollstream-producer")]
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "redis-sentinel-streams"
-    assert trigger["metadata"]["addresses"].split(",") == [f"{p}:26379" for p in pods]
-    assert trigger["metadata"]["sentinelMaster"] == service
-    settings = next(d for d in documents(DEPLOY / "k8s" / "config.yaml") if d["kind"] == "ConfigMap")["data"]
-    task = yaml.safe_load(settings["ROLLSTREAM_TASKS"])[0]["name"]
-    assert trigger["metadata"]["stream"] == Keys(settings["ROLLSTREAM_RUN"]).prompts(task)
-    auth = objects[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
-    wanted = {"username", "password", "sentinelPassword"}  # the monitor user's, the Sentinels'
-    assert {p["parameter"] for p in auth["spec"]["secretTargetRef"]} == wanted
+    # KEDA reads the producers the run wants from `rollstream metrics`, which follows the
+    # failover itself: keda.yaml's ScaledObject as it is, no Sentinel nor password
+    (plain,) = [d for d in documents(DEPLOY / "k8s" / "keda.yaml") if d["kind"] == "ScaledObject"]
+    assert objects[("ScaledObject", "rollstream-producer")] == plain
+    assert not [kind for kind, _ in objects if kind == "TriggerAuthentication"]
 
 
 PROCESS_USERS = {"engines", "producer", "judge", "feeder", "metrics", "archive", "trainer"}
