@@ -200,7 +200,7 @@ def _naming_refusals(client: redis.Redis) -> redis.Redis:
 
     def execute_command(*args: Any, **options: Any) -> Any:
         try:
-            return inner(*args, **options)
+            return inner(*args, **options)  # type: ignore[no-untyped-call]
         except redis.exceptions.NoPermissionError as exc:
             raise redis.exceptions.NoPermissionError(f"{exc} [{refused_call(args)}]") from exc
 

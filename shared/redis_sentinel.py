@@ -14,6 +14,7 @@ from redis.backoff import NoBackoff
 from redis.connection import SSLConnection
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
+from redis.utils import SENTINEL
 
 from rollstream.shared import redisurl, telemetry
 
@@ -32,14 +33,26 @@ class FollowingConnection(SentinelManagedConnection):
             self.host, self.port = self.connection_pool.get_master_address()
         return super()._connect()  # type: ignore[no-untyped-call]
 
-    def read_response(self, *args: Any, disconnect_on_error: bool = True, **kwargs: Any) -> Any:
+    def read_response(
+        self,
+        disable_decoding: Any = False,
+        *,
+        timeout: float | object = SENTINEL,
+        disconnect_on_error: bool | None = True,
+        push_request: bool | None = False,
+    ) -> Any:
         """A read cut short by an exception (a signal's: rq's warm stop raises StopRequested
         in the middle of its blocking dequeue) drops the connection, as redis-py's plain
         Connection does. redis-py's SentinelManagedConnection keeps it (its default is
         False), with the reply still on its way: the pool hands it out again and the next
         command reads that reply (a BLMOVE's, 405 s later) for its own; the judge then
         hung for minutes on the run's stop and died on "Wrong number of response items"."""
-        return super().read_response(*args, disconnect_on_error=disconnect_on_error, **kwargs)
+        return super().read_response(
+            disable_decoding,
+            timeout=timeout,
+            disconnect_on_error=disconnect_on_error,
+            push_request=push_request,
+        )
 
 
 class FollowingSSLConnection(FollowingConnection, SSLConnection):
