@@ -36,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ STEPS = 3  # the short run's
 # The run with faults: slower engines (responses of ~500 tokens at 2x), so that the
 # producers, not the trainer, set the pace: each holds claims all along (a producer ahead
 # of the trainer waits holding none), and the run outlasts both faults and their recovery
-FAULT_STEPS = 20
+FAULT_STEPS = 14
 FAULT_PACE = {
     "ROLLSTREAM_ENGINES__SIM__TIME_COMPRESSION": "2",
     "ROLLSTREAM_ENGINES__SIM__MEDIAN_TOKENS": "500",
@@ -341,13 +342,19 @@ def test_compose_run_survives_a_killed_producer_and_redis_scraped_by_prometheus(
     docker: dict[str, str], images: str, monitoring: dict[str, str], tmp_path: Path
 ) -> None:
     project = compose_project(tmp_path, images, "rsfaults", docker, FAULT_STEPS, FAULT_PACE, monitoring)
+    start = time.monotonic()
     try:
         project.run("up", "--no-build", "-d", *RUN_SERVICES, *MONITORING, timeout=600)
         SHIMS.extend(container_shims(docker))
+        print(f"up: {time.monotonic() - start:.0f} s")
         scraped(project)
+        print(f"every process up in Prometheus: {time.monotonic() - start:.0f} s")
         victim = kill_a_producer(project)
+        print(f"claims taken back: {time.monotonic() - start:.0f} s")
         crash_redis(project)
+        print(f"Redis back: {time.monotonic() - start:.0f} s")
         finished(project, FAULT_STEPS, tmp_path, killed=victim)
+        print(f"the run's end, accounted: {time.monotonic() - start:.0f} s")
     finally:
         with contextlib.suppress(subprocess.SubprocessError, AssertionError):
             project.run("down", "-v", "-t", "20", timeout=300)
