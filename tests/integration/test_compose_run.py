@@ -121,6 +121,8 @@ def images(docker: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     base = "rollstream-check-base:bookworm"
     run(["tar", "-C", str(rootfs), "-cf", str(work / "rootfs.tar"), "."], timeout=300)
     run(["docker", "import", str(work / "rootfs.tar"), base], timeout=300, env=docker)
+    shutil.rmtree(rootfs)  # hundreds of megabytes, twice: the engine holds the image now
+    (work / "rootfs.tar").unlink()
     # the build context: the checkout's files (as git has them) and a wheelhouse beside
     context = work / "context"
     files = run(["git", "ls-files", "-z"], timeout=60, cwd=ROOT).stdout.split("\0")
