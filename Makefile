@@ -140,7 +140,7 @@ gpu-check:
 # debootstrap, the image from a wheelhouse, a short run to its end, then a run with a
 # producer and redis-server killed mid-way and Prometheus scraping it, all torn down. Needs
 # root, docker.io, docker-compose, debootstrap, prometheus and prometheus-alertmanager;
-# about 9-11 minutes on a loaded 2-core machine, most of it building the images.
+# 4-11 minutes on a loaded 2-core machine, most of it building the images.
 compose-check: $(DEV)
 	$(PY) -m pytest -m heavy tests/integration/test_compose_run.py -v
 

@@ -137,6 +137,7 @@ def images(docker: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     run(["docker", "build", "--network=none", "-f", "deploy/Dockerfile", "--build-arg", f"BASE={base}",
          "--build-arg", "PIP_ARGS=--no-index --find-links /src/wheelhouse", "-t", "rollstream:check", "."],
         timeout=900, cwd=context, env=docker)  # fmt: skip
+    shutil.rmtree(context)  # the wheelhouse: hundreds of megabytes more
     return base
 
 
@@ -169,7 +170,9 @@ def monitoring(
         context = work / name
         context.mkdir()
         shutil.copy2(str(shutil.which(binary)), context / name)
-        shutil.copytree("/usr/share/prometheus", context / "share")  # Debian's templates and web files
+        (context / "share").mkdir()  # Debian's alertmanager reads its templates from there
+        if name == "alertmanager":
+            shutil.copytree("/usr/share/prometheus/alertmanager", context / "share" / name, symlinks=True)
         cmd = orjson.dumps(flags[name]).decode()
         (context / "Dockerfile").write_text(MONITORING_DOCKERFILE.format(base=images, name=name, cmd=cmd))
         tags[name] = f"rollstream-check-{name}:debian"
@@ -287,6 +290,9 @@ def scraped(project: Project) -> None:
         timeout=300,
         interval=2.0,
     )
+    alertmanager = project.containers()["alertmanager_1"]  # its templates found: never restarted
+    running = alertmanager["State"]["Running"] and alertmanager["RestartCount"] == 0
+    assert running, project.logs("alertmanager_1")
 
 
 def kill_a_producer(project: Project) -> str:
