@@ -141,8 +141,10 @@ gpu-check:
 
 # deploy/compose run for real (tests/integration/test_compose_run.py): a Docker engine of
 # its own (own data root and socket, no iptables changes), a Debian base image from
-# debootstrap, the image from a wheelhouse, a short run to its end, all torn down. Needs
-# root, docker.io, docker-compose and debootstrap; about 3-5 minutes (15 on a loaded machine).
+# debootstrap, the image from a wheelhouse, a short run to its end, then a run with a
+# producer and redis-server killed mid-way and Prometheus scraping it, all torn down. Needs
+# root, docker.io, docker-compose, debootstrap, prometheus and prometheus-alertmanager;
+# 4-11 minutes on a loaded 2-core machine, most of it building the images.
 compose-check: $(DEV)
 	$(PY) -m pytest -m heavy tests/integration/test_compose_run.py -v
 
