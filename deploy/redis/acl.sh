@@ -16,7 +16,12 @@
 #                              in the file.
 #   ACL_ROLES                  print only these users' rules, no passwords (the tests read it)
 #
-# The user `default` (no name in the URL) is off: every client names its user.
+# The user `default` (no name in the URL) is the admin: the admin's password and rules.
+# It cannot be turned off: Redis replays the append-only file as `default`, and before
+# Redis 8.4 EXEC checks ACL rules again during that replay, so with `default` off every
+# MULTI/EXEC of the file (every rollstream script's writes: settles, commits, counters)
+# is refused and silently left out when Redis restarts (redis/redis#14541, fixed by
+# redis/redis#14545). Every rollstream process names its user all the same.
 set -eu
 
 # Commands every rollstream process uses (docs/engines.md's list): no @admin, no
@@ -93,7 +98,9 @@ if [ -n "${ACL_ROLES:-}" ]; then
     exit 0
 fi
 
-echo "user default off resetkeys resetchannels -@all"
+: "${REDIS_PASSWORD_ADMIN:?set REDIS_PASSWORD_ADMIN: the admin's password is also the default user's}"
+hash=$(printf '%s' "$REDIS_PASSWORD_ADMIN" | sha256sum | cut -d' ' -f1)
+echo "user default on #$hash resetchannels $(rules admin)"
 for role in $ROLES; do
     var="REDIS_PASSWORD_$(echo "$role" | tr '[:lower:]' '[:upper:]')"
     eval "password=\${$var:-}"

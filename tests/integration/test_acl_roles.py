@@ -223,7 +223,7 @@ def test_each_user_is_refused_what_its_role_must_not_do(
     assert entry["object"] in (command[0].lower(), command[1] if len(command) > 1 else "", "config|set")
 
 
-def test_the_monitor_reads_the_streams_sizes_and_default_is_off(acl_redis: AclRedis) -> None:
+def test_the_monitor_reads_the_streams_sizes_and_default_is_the_admin(acl_redis: AclRedis) -> None:
     admin, monitor = acl_redis.client("admin"), acl_redis.client("monitor")
     stream = f"rs:{{{RUN}}}:prompts:math"
     admin.xgroup_create(stream, "producers", id="0", mkstream=True)
@@ -232,8 +232,56 @@ def test_the_monitor_reads_the_streams_sizes_and_default_is_off(acl_redis: AclRe
     assert monitor.xlen(stream) == 1
     assert monitor.xinfo_groups(stream)[0]["name"] == b"producers"
     assert monitor.xpending(stream, "producers")["pending"] == 0
-    with pytest.raises(redis.AuthenticationError):  # no user named: the default user is off
+    with pytest.raises(redis.AuthenticationError):  # no user named, no password: refused
         redis.Redis(port=acl_redis.port).ping()
+    # no user named: `default`, which is the admin (acl.sh: the append-only file's replay)
+    assert redis.Redis(port=acl_redis.port, password=acl_redis.passwords["admin"]).ping()
+
+
+def test_a_restart_from_the_append_only_file_keeps_every_transaction(tmp_path: Path) -> None:
+    """Redis replays its append-only file as the user `default`, and before 8.4 EXEC
+    checks ACL rules again then: with `default` off (acl.sh's first version) every
+    MULTI/EXEC of the file, every script's writes among them, was refused and silently
+    left out at a restart (the Compose run with faults lost its progress counters and
+    stalled). With `default` the admin, a restart keeps them."""
+    passwords = {role: f"pw-{role}-{os.urandom(6).hex()}" for role in ROLES}
+    env = {"PATH": os.environ["PATH"], "RUN": RUN}
+    env.update({f"REDIS_PASSWORD_{role.upper()}": pw for role, pw in passwords.items()})
+    made = subprocess.run(["sh", str(ACL_SH)], env=env, capture_output=True, text=True, check=True)
+    (tmp_path / "users.acl").write_text(made.stdout)
+    port = free_port()
+    command = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "yes", "--appendfsync", "always", "--dir", str(tmp_path),
+               "--aclfile", str(tmp_path / "users.acl")]  # fmt: skip
+    server = AclRedis(port, passwords)
+    progress = f"rs:{{{RUN}}}:progress"
+    for start in ("first", "after the restart"):
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            admin = server.client("admin")
+            wait_for(lambda a=admin, p=proc: _pings(a) or p.poll() is not None, timeout=30)
+            assert proc.poll() is None, f"redis-server exited at its {start} start"
+            producer = server.client("producer")
+            if start == "first":
+                # a transaction and a script (replicated as MULTI/EXEC), as a role's user
+                pipe = producer.pipeline(transaction=True)
+                pipe.hincrby(progress, "math:fed", 3)
+                pipe.hincrby(progress, "math:completed", 1)
+                pipe.execute()
+                producer.eval("redis.call('HINCRBY', KEYS[1], 'math:consumed', 2)", 1, progress)
+            else:
+                counts = {k.decode(): int(v) for k, v in admin.hgetall(progress).items()}
+                assert counts == {"math:fed": 3, "math:completed": 1, "math:consumed": 2}, counts
+        finally:
+            proc.terminate()  # a clean stop: the append-only file is on disk
+            proc.wait(timeout=30)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
 
 
 def test_the_redis_exporter_reads_redis_figures_under_its_user_and_no_key(

@@ -92,7 +92,15 @@ def test_acl_sh_writes_hashes_and_leaves_out_a_user_without_a_password() -> None
     assert "pw-1" not in out and "pw-2" not in out
     users = [line.split()[1] for line in out.splitlines()]
     assert users == ["default", "admin", "producer"]
-    assert out.splitlines()[0].startswith("user default off")
+    # default is the admin (the append-only file's replay runs as default: acl.sh says why)
+    default, admin = out.splitlines()[:2]
+    assert default.split()[2:] == admin.split()[2:] and default.split()[2] == "on"
+
+
+def test_acl_sh_refuses_to_run_without_the_admins_password() -> None:
+    env = {"PATH": os.environ["PATH"], "RUN": "exp1", "REDIS_PASSWORD_PRODUCER": "pw-1"}
+    done = subprocess.run(["sh", str(ACL_SH)], env=env, capture_output=True, text=True)
+    assert done.returncode != 0 and "REDIS_PASSWORD_ADMIN" in done.stderr
 
 
 def test_compose_gives_each_process_its_roles_user_and_ray_nodes_none() -> None:
