@@ -16,6 +16,7 @@ once and stops them with SIGTERM, so each one:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -217,10 +218,15 @@ def _join_run(
     cannot be that first process: it waits for another to make the run (up to
     process.wait_timeout_s), or for ``stop`` (None)."""
 
+    # the settings stay out of the probe that shared/waiting.py calls back (the settings
+    # object never climbs the layers: tools/settings_trace.py)
+    url = settings.redis.url
+    publish = functools.partial(check_run_settings, client, keys, settings, name)
+
     def joined() -> str:
         try:
-            run_id = run_identity(client, keys, settings.redis.url, known, known_by)
-            if check_run_settings(client, keys, settings, name):
+            run_id = run_identity(client, keys, url, known, known_by)
+            if publish():
                 log.info("published the run's shared settings (rollout, tasks)")
         except redis.exceptions.NoPermissionError as exc:
             raise NotYet(
