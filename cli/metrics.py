@@ -31,6 +31,9 @@ def serve_run_metrics(settings: Settings, stop: threading.Event) -> int:
     """Serve the run's figures (and this process's own) until SIGTERM or the run's stop
     event. A metrics port is required: metrics.port or $PORT."""
     tasks = [t.name for t in settings.tasks]
+    # /keda answers 503 in JSON until the run is joined (the server serves /metrics from
+    # its start, and its figures at any other path: KEDA would get them for its JSON)
+    unready = json_routes.route(KEDA_PATH, lambda query: (503, {"error": "the run is not joined yet"}))
     # served here, required; the process wrapper's own serving finds it served already
     with (
         telemetry.serving(settings.metrics, settings.run, Role.METRICS, required=True) as port,
@@ -39,6 +42,7 @@ def serve_run_metrics(settings: Settings, stop: threading.Event) -> int:
         ) as process,
     ):
         if process is None:
+            unready()
             return 0
         # a client of its own that does not ride out outages: a scrape during one answers
         # at once with rollstream_run_up 0 instead of hanging

@@ -154,7 +154,8 @@ def test_every_role_runs_under_its_own_user_and_a_run_finishes(acl_redis: AclRed
             done = _cli(env[role], *args)
             assert done.returncode == 0, f"{role} {args}: {done.stderr[-3000:]} {_refused(acl_redis)}"
             if role == "feeder":  # the figure KEDA reads, read whole under the read-only metrics user
-                keda = wait_for(lambda: _keda(metrics_port), timeout=60)
+                # 503 until the metrics process has joined the run (it serves from its start)
+                keda = wait_for(lambda: (k := _keda(metrics_port)) and k[0] != 503 and k, timeout=60)
                 assert keda[0] == 200 and keda[1]["waiting"] == 8, keda
         for role in ("judge", "archive"):  # both end with the run
             _, err = background[role].communicate(timeout=180)
