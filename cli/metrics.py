@@ -14,10 +14,11 @@ import logging
 import threading
 
 from rollstream.cli.process import running
-from rollstream.producer.fleet.demand import DemandCollector, DemandReader, demand_plan, keda_answer
+from rollstream.producer.fleet.demand import DemandCollector, DemandPlan, DemandReader, keda_answer
 from rollstream.shared import json_routes, telemetry
 from rollstream.shared.connection import connect
 from rollstream.shared.keys import Role
+from rollstream.shared.runconfig import task_quota
 from rollstream.shared.runmetrics import RunCollector
 from rollstream.shared.settings import Settings
 
@@ -63,3 +64,14 @@ def serve_run_metrics(settings: Settings, stop: threading.Event) -> int:
             unregister()
             client.close()
     return 0
+
+
+def demand_plan(settings: Settings, producer_max_age_s: float) -> DemandPlan:
+    rollout = settings.rollout
+    ahead = rollout.stale_threshold if rollout.mode == "async" else rollout.sync_weights_interval
+    return DemandPlan(
+        quota=task_quota(settings), ahead=ahead,
+        over_sample_threshold=rollout.over_sample_threshold,
+        expired_claimed=rollout.tail_batch_trigger_size >= 0, max_inflight=settings.producer.max_inflight,
+        batch=rollout.batch_size, producer_max_age_s=producer_max_age_s,
+    )  # fmt: skip

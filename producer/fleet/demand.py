@@ -57,8 +57,6 @@ from rollstream.shared.keys import (
     Keys,
     progress_field,
 )
-from rollstream.shared.runconfig import task_quota
-from rollstream.shared.settings import Settings
 from rollstream.shared.streams import text
 
 FULL = 0.75  # producers holding this share of their bound are busy: one more may help
@@ -125,7 +123,8 @@ def producers_wanted(demand: Demand, low: int = 1, high: int = MAX_PRODUCERS) ->
 
 @dataclass(frozen=True, slots=True)
 class DemandPlan:
-    """The settings the reading needs, out of the settings tree (``demand_plan``)."""
+    """The settings the reading needs, out of the settings tree (cli/metrics.py's
+    ``demand_plan``: the settings tree stays with the composition roots and the CLI)."""
 
     quota: Mapping[str, int]  # each task's groups in one train step
     ahead: int  # steps the admission bound runs ahead: stale_threshold, or the sync interval
@@ -134,17 +133,6 @@ class DemandPlan:
     max_inflight: int
     batch: int
     producer_max_age_s: float  # a heartbeat older than this is a gone producer's
-
-
-def demand_plan(settings: Settings, producer_max_age_s: float) -> DemandPlan:
-    rollout = settings.rollout
-    ahead = rollout.stale_threshold if rollout.mode == "async" else rollout.sync_weights_interval
-    return DemandPlan(
-        quota=task_quota(settings), ahead=ahead,
-        over_sample_threshold=rollout.over_sample_threshold,
-        expired_claimed=rollout.tail_batch_trigger_size >= 0, max_inflight=settings.producer.max_inflight,
-        batch=rollout.batch_size, producer_max_age_s=producer_max_age_s,
-    )  # fmt: skip
 
 
 class DemandReader:

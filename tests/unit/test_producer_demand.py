@@ -13,11 +13,11 @@ import orjson
 import pytest
 import redis
 
+from rollstream.cli.metrics import demand_plan
 from rollstream.producer.fleet.demand import (
     MAX_PRODUCERS,
     Demand,
     DemandReader,
-    demand_plan,
     keda_answer,
     producers_wanted,
 )
