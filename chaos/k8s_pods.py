@@ -252,7 +252,8 @@ class PodRun:
         if "/tmp" not in mounted:  # the container's own /tmp
             (base / "tmp").mkdir(mode=0o1777)
             os.chmod(base / "tmp", 0o1777)
-            script += _bind(base / "tmp", "/tmp", pod.read_only_root)
+            before, after = _kept_under_tmp(base)
+            script += [*before, *_bind(base / "tmp", "/tmp", pod.read_only_root), *after]
         if "/dev/shm" not in mounted:  # a container's default /dev/shm
             script.append("mount -t tmpfs -o size=64m,mode=1777 shm /dev/shm")
         script += _bind(home, IMAGE_WORKDIR, pod.read_only_root)
@@ -454,3 +455,24 @@ def trainer_command(layout: Layout, steps: int, drop: tuple[str, ...] = ("--hf-m
             continue
         out.append(str(steps) if i > 0 and argv[i - 1] == "--steps" else arg)
     return out
+
+
+def _kept_under_tmp(base: Path) -> tuple[list[str], list[str]]:
+    """A checkout (and its venv, the image's stand-in) that lies under the machine's /tmp
+    (a CI clone) stays where it is in a pod whose /tmp is its own: bound aside before the
+    pod's /tmp goes over it, moved back in after (mount commands: before, after)."""
+    q = shlex.quote
+    before: list[str] = []
+    after: list[str] = []
+    kept: list[Path] = []
+    for path in sorted({ROOT.resolve(), Path(sys.prefix).resolve()}):
+        if not path.is_relative_to("/tmp") or any(path.is_relative_to(k) for k in kept):
+            continue
+        kept.append(path)
+        stage = base / f"kept-{len(kept)}"
+        stage.mkdir()
+        # its mount point made in the pod's /tmp beforehand (a read-only one takes no mkdir)
+        (base / "tmp" / path.relative_to("/tmp")).mkdir(mode=0o755, parents=True)
+        before.append(f"mount --bind {q(str(path))} {q(str(stage))}")
+        after.append(f"mount --move {q(str(stage))} {q(str(path))}")
+    return before, after
