@@ -198,9 +198,10 @@ class PodRun:
         rollstream = pod.image.startswith("rollstream:")
         pod.env["PATH"] = f"{IMAGE_BIN}{os.pathsep}{SYSTEM_PATH}" if rollstream else SYSTEM_PATH
         pod.env.setdefault("HOME", IMAGE_WORKDIR)
-        script = ["set -e"]
+        script, kept = ["set -e"], []
         if host not in self._mounted:
-            script += self._container_layer(pod, base)
+            layer, kept = self._container_layer(pod, base)
+            script += layer
         mounted = self._mounted.setdefault(host, {})
         for m in pod.mounts:
             if m.path in mounted:
@@ -233,13 +234,15 @@ class PodRun:
             if pod.fs_group is not None and vol.kind in ("emptyDir", "claim"):
                 _own_by_group(src, pod.fs_group)
             script += _bind(src, m.path, m.read_only or vol.kind in ("configMap", "secret"))
+        script += kept  # the checkout back where a /tmp of the pod's own went over it
         done = self.hosts.run(host, ["sh", "-c", "\n".join(script)], timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{pod.name}: its mounts failed: {done.stderr.strip()}")
 
-    def _container_layer(self, pod: Pod, base: Path) -> list[str]:
+    def _container_layer(self, pod: Pod, base: Path) -> tuple[list[str], list[str]]:
         """What the container runtime gives a pod: its /tmp, /dev/shm, HOME, /etc/hosts
-        and the image's Python and /usr/local/bin; as mount commands."""
+        and the image's Python and /usr/local/bin; as mount commands, and those to run
+        after the pod's volumes are mounted (the checkout back under a /tmp of its own)."""
         base.mkdir(parents=True)
         os.chmod(base, 0o755)
         (base / "hosts").write_text(self.hosts_file(pod))
@@ -247,18 +250,18 @@ class PodRun:
         home = base / "home"
         home.mkdir()
         os.chown(home, IMAGE_USER, IMAGE_USER)  # the image's HOME, its user's
-        script = ["mount --make-rprivate /", *self._expose_python(base), *self._image_links(base)]
+        (base / "tmp").mkdir(mode=0o1777)
+        os.chmod(base / "tmp", 0o1777)
+        before, after = _kept_under_tmp(base)
+        script = ["mount --make-rprivate /", *before, *self._expose_python(base), *self._image_links(base)]
         mounted = {m.path for p in self.layout.pods if p.pod_name == pod.pod_name for m in p.mounts}
         if "/tmp" not in mounted:  # the container's own /tmp
-            (base / "tmp").mkdir(mode=0o1777)
-            os.chmod(base / "tmp", 0o1777)
-            before, after = _kept_under_tmp(base)
-            script += [*before, *_bind(base / "tmp", "/tmp", pod.read_only_root), *after]
+            script += _bind(base / "tmp", "/tmp", pod.read_only_root)
         if "/dev/shm" not in mounted:  # a container's default /dev/shm
             script.append("mount -t tmpfs -o size=64m,mode=1777 shm /dev/shm")
         script += _bind(home, IMAGE_WORKDIR, pod.read_only_root)
         script += _bind(base / "hosts", "/etc/hosts", True)
-        return script
+        return script, after
 
     @staticmethod
     def _expose_python(base: Path) -> list[str]:
@@ -474,5 +477,6 @@ def _kept_under_tmp(base: Path) -> tuple[list[str], list[str]]:
         # its mount point made in the pod's /tmp beforehand (a read-only one takes no mkdir)
         (base / "tmp" / path.relative_to("/tmp")).mkdir(mode=0o755, parents=True)
         before.append(f"mount --bind {q(str(path))} {q(str(stage))}")
-        after.append(f"mount --move {q(str(stage))} {q(str(path))}")
+        # (a volume at /tmp, an emptyDir, is writable: the mount point is made there)
+        after += [f"mkdir -p {q(str(path))} 2>/dev/null || true", f"mount --move {q(str(stage))} {q(str(path))}"]
     return before, after
