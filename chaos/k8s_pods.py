@@ -478,5 +478,6 @@ def _kept_under_tmp(base: Path) -> tuple[list[str], list[str]]:
         (base / "tmp" / path.relative_to("/tmp")).mkdir(mode=0o755, parents=True)
         before.append(f"mount --bind {q(str(path))} {q(str(stage))}")
         # (a volume at /tmp, an emptyDir, is writable: the mount point is made there)
-        after += [f"mkdir -p {q(str(path))} 2>/dev/null || true", f"mount --move {q(str(stage))} {q(str(path))}"]
+        after.append(f"mkdir -p {q(str(path))} 2>/dev/null || true")
+        after.append(f"mount --move {q(str(stage))} {q(str(path))}")
     return before, after
