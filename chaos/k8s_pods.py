@@ -198,7 +198,8 @@ class PodRun:
         rollstream = pod.image.startswith("rollstream:")
         pod.env["PATH"] = f"{IMAGE_BIN}{os.pathsep}{SYSTEM_PATH}" if rollstream else SYSTEM_PATH
         pod.env.setdefault("HOME", IMAGE_WORKDIR)
-        script, kept = ["set -e"], []
+        script: list[str] = ["set -e"]
+        kept: list[str] = []
         if host not in self._mounted:
             layer, kept = self._container_layer(pod, base)
             script += layer
