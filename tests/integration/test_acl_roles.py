@@ -43,14 +43,21 @@ class AclRedis:
         return redis.Redis.from_url(self.url(role))
 
 
-@pytest.fixture
-def acl_redis(tmp_path: Path) -> Iterator[AclRedis]:
+def write_acl_file(path: Path) -> dict[str, str]:
+    """acl.sh's ACL file for RUN at ``path``, a password of the test's own per role; the
+    passwords."""
     passwords = {role: f"pw-{role}-{os.urandom(6).hex()}" for role in ROLES}
     env = {"PATH": os.environ["PATH"], "RUN": RUN}
     env.update({f"REDIS_PASSWORD_{role.upper()}": pw for role, pw in passwords.items()})
     made = subprocess.run(["sh", str(ACL_SH)], env=env, capture_output=True, text=True, check=True)
     assert all(pw not in made.stdout for pw in passwords.values())  # only their hashes
-    (tmp_path / "users.acl").write_text(made.stdout)
+    path.write_text(made.stdout)
+    return passwords
+
+
+@pytest.fixture
+def acl_redis(tmp_path: Path) -> Iterator[AclRedis]:
+    passwords = write_acl_file(tmp_path / "users.acl")
     port = free_port()
     proc = subprocess.Popen(
         [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -245,11 +252,7 @@ def test_a_restart_from_the_append_only_file_keeps_every_transaction(tmp_path: P
     MULTI/EXEC of the file, every script's writes among them, was refused and silently
     left out at a restart (the Compose run with faults lost its progress counters and
     stalled). With `default` the admin, a restart keeps them."""
-    passwords = {role: f"pw-{role}-{os.urandom(6).hex()}" for role in ROLES}
-    env = {"PATH": os.environ["PATH"], "RUN": RUN}
-    env.update({f"REDIS_PASSWORD_{role.upper()}": pw for role, pw in passwords.items()})
-    made = subprocess.run(["sh", str(ACL_SH)], env=env, capture_output=True, text=True, check=True)
-    (tmp_path / "users.acl").write_text(made.stdout)
+    passwords = write_acl_file(tmp_path / "users.acl")
     port = free_port()
     command = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "yes", "--appendfsync", "always", "--dir", str(tmp_path),
